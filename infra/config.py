@@ -1,0 +1,125 @@
+"""The project configuration: one pydantic model, loaded from YAML, overridden by flags.
+
+Each stage owns the model of its own settings (``CrawlConfig`` lives next to the
+crawler); this module only composes them. Unknown or ill-typed fields are
+rejected with a message that names the field, e.g.
+``data.dedup.num_bands: Input should be greater than 0``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from crawl2chat.stages.balance import BalanceConfig
+from crawl2chat.stages.crawl import CrawlConfig
+from crawl2chat.stages.dedup import DedupConfig
+from crawl2chat.stages.extract import ExtractConfig
+from crawl2chat.stages.langid import LangIdConfig
+from crawl2chat.stages.quality import QualityConfig
+from crawl2chat.stages.review import ReviewConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each bad field."""
+
+
+class DataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="WARC/WET files or folders of them (local paths or fsspec URLs such as s3://).",
+    )
+    seed_urls: list[str] = Field(
+        default_factory=list,
+        description="Crawl these first. With neither inputs nor seed URLs, the local Python "
+        "documentation server is crawled.",
+    )
+    out: str = Field("runs/data", description="Output folder: shards/, rejected/, manifest.json.")
+    shard_bytes: int = Field(
+        128 * 2**20, gt=0, description="Upper bound of text bytes per Parquet shard."
+    )
+    previous_index: list[str] = Field(
+        default_factory=list,
+        description="Dedup index folders of earlier dataset versions to deduplicate against.",
+    )
+    crawl: CrawlConfig = Field(default_factory=CrawlConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    langid: LangIdConfig = Field(default_factory=LangIdConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+    balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    review: ReviewConfig = Field(default_factory=ReviewConfig)
+
+
+class TrackingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str | None = Field(
+        None,
+        description="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else SQLite under home.",
+    )
+    experiment: str = Field("crawl2chat", description="MLflow experiment name.")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    home: str = Field(
+        ".crawl2chat",
+        description="Project folder for embedded services: the MLflow SQLite store and artifacts.",
+    )
+    data: DataConfig = Field(default_factory=DataConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"{where}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``set_path(d, "data.dedup.num_bands", 20)`` on nested dicts."""
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: cannot set a field inside a non-mapping value")
+    node[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``key.path=value`` with the value read as YAML (numbers, lists, booleans)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. data.dedup.num_bands=20")
+    key, raw = item.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read YAML (if given), apply dotted overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            set_path(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None

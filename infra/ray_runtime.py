@@ -1,0 +1,39 @@
+"""Connect to Ray: a local instance by default, a cluster when ``RAY_ADDRESS`` is set.
+
+Data steps call :func:`ensure_ray` before building datasets. With no address, Ray
+starts in-process on this machine with the dashboard off (it is a separate web
+server most single-machine runs do not want). With ``RAY_ADDRESS`` (for example
+``ray://head:10001`` or ``127.0.0.1:6379``) the same code runs on the cluster; the
+project's packages reach the workers through the runtime environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+log = logging.getLogger(__name__)
+
+
+def ensure_ray(num_cpus: int | None = None) -> dict:
+    """Initialise Ray once per process and return a short description of it."""
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS") or None
+        kwargs: dict = {"ignore_reinit_error": True, "log_to_driver": False}
+        if address:
+            kwargs["address"] = address
+        else:
+            kwargs.update(include_dashboard=False, num_cpus=num_cpus)
+        ray.init(**kwargs)
+        # Progress bars from many concurrent steps drown the per-step lines we print.
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        log.info("Ray connected: %s", address or "local")
+    resources = ray.cluster_resources()
+    return {
+        "address": os.environ.get("RAY_ADDRESS") or "local",
+        "cpus": resources.get("CPU", 0),
+        "nodes": len([n for n in ray.nodes() if n.get("Alive")]),
+    }

@@ -1,0 +1,93 @@
+"""MLflow wiring: where runs go and how a stage's run is opened.
+
+With no tracking server configured, runs go to SQLite under the project folder
+(``<home>/mlflow.db``, artifacts beside it), which needs no service. Set
+``MLFLOW_TRACKING_URI`` (or ``tracking.uri`` in the config) to use a server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlflow
+
+
+def tracking_uri(home: str | Path, configured: str | None = None) -> str:
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    home = Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home / 'mlflow.db'}"
+
+
+def setup_tracking(home: str | Path, experiment: str, configured: str | None = None) -> str:
+    """Point MLflow at the store and make sure the experiment exists (artifacts under home)."""
+    uri = tracking_uri(home, configured)
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(experiment) is None:
+        artifact_location = None
+        if uri.startswith("sqlite:"):
+            artifact_location = (Path(home).resolve() / "mlartifacts").as_uri()
+        mlflow.create_experiment(experiment, artifact_location=artifact_location)
+    mlflow.set_experiment(experiment)
+    return uri
+
+
+def flatten(prefix: str, value: Any, out: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Nested config -> flat ``a.b.c`` params (lists as JSON), MLflow's param shape."""
+    out = {} if out is None else out
+    if isinstance(value, dict):
+        for k, v in value.items():
+            flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        text = json.dumps(value, default=str) if isinstance(value, (list, tuple)) else str(value)
+        out[prefix] = text[:6000]
+    return out
+
+
+SECRET_WORDS = ("password", "secret", "token", "key", "credential")
+
+
+def safe_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Never log secrets: values of parameters whose names look secret are masked."""
+    return {k: ("***" if any(w in k.lower() for w in SECRET_WORDS) else v) for k, v in params.items()}
+
+
+# The pipeline's parent run. Prefect may run a task in another thread, where MLflow's
+# thread-local active run is not visible; a context variable travels with the task.
+parent_run_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("crawl2chat_parent_run", default=None)
+
+
+@contextlib.contextmanager
+def pipeline_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Iterator[mlflow.ActiveRun]:
+    """The parent run of one pipeline run; stage runs opened inside become its children."""
+    with mlflow.start_run(run_name=name, tags={"crawl2chat.pipeline": name, **(tags or {})}) as run:
+        if params:
+            mlflow.log_params(safe_params(flatten("", params)))
+        token = parent_run_id.set(run.info.run_id)
+        try:
+            yield run
+        finally:
+            parent_run_id.reset(token)
+
+
+@contextlib.contextmanager
+def stage_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Iterator[mlflow.ActiveRun]:
+    """A child run under the pipeline run (or a top-level run when there is none)."""
+    active = mlflow.active_run()
+    parent = active.info.run_id if active else parent_run_id.get()
+    with mlflow.start_run(
+        run_name=name,
+        nested=active is not None,
+        parent_run_id=parent if active is None else None,
+        tags={"crawl2chat.stage": name, **(tags or {})},
+    ) as run:
+        if params:
+            mlflow.log_params(safe_params(flatten("", params)))
+        yield run

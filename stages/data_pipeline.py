@@ -1,0 +1,474 @@
+"""The data stage's steps, each a Ray Data job over Parquet.
+
+Every step reads the previous step's output folder, keeps the documents no
+earlier step dropped, runs its blocks, and writes all of its rows (kept and
+newly dropped, the latter with ``drop_reason``) to ``WORK/<step>/``. A step
+writes into a hidden temporary folder and renames it into place only once the
+folder holds a ``_SUCCESS.json`` marker, so a killed job never leaves a
+half-written step behind. The marker records a fingerprint of the step's inputs
+and configuration: a rerun with the same fingerprint skips the step.
+
+The steps: ``extract`` (WARC/WET files -> text documents), ``langid``,
+``quality``, ``dedup``, then :func:`write_dataset` (balance, bounded zstd shards,
+quarantine of every dropped document, manifest) and :func:`write_review`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from crawl2chat.stages.ray_blocks import (
+    DEDUP_COLUMNS,
+    EXTRACT_COLUMNS,
+    LANGID_COLUMNS,
+    QUALITY_COLUMNS,
+    BlockBatchMapper,
+    to_table,
+)
+
+MARKER = "_SUCCESS.json"
+FILE_STATUS = "_file"  # record_type of the one status row each input file gets
+SHARD_COLUMNS = (
+    "id", "url", "text", "lang", "lang_score", "quality_score", "source", "host",
+    "content_type", "fetched_at", "dup_cluster", "sample_weight",
+)
+
+
+class NothingUsableError(RuntimeError):
+    """Raised when a step leaves no document at all; the message is one plain sentence."""
+
+
+@dataclass
+class StepResult:
+    name: str
+    out_dir: str
+    fingerprint: str
+    skipped: bool = False
+    rows_in: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    bytes_in: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fingerprint(*parts: Any) -> str:
+    """Stable digest of JSON-able parts (configs, paths, upstream fingerprints)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def files_fingerprint(paths: Sequence[str]) -> list[tuple[str, int, float]]:
+    """Identity of input files: path, size and modification time (local files)."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((p, st.st_size, st.st_mtime))
+        except OSError:  # remote (fsspec) paths are identified by name
+            out.append((p, -1, 0.0))
+    return out
+
+
+def read_marker(step_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((step_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_step(
+    name: str,
+    work_dir: str | Path,
+    step_fingerprint: str,
+    build: Callable[[str], dict[str, Any]],
+) -> StepResult:
+    """Run ``build(tmp_dir)`` unless ``WORK/name`` already holds the same fingerprint.
+
+    ``build`` writes the step's Parquet files into ``tmp_dir`` and returns extra
+    figures for the marker. Counts of kept and dropped rows are read back from
+    the written files, so they are exactly what the next step will see.
+    """
+    work_dir = Path(work_dir)
+    final = work_dir / name
+    marker = read_marker(final)
+    if marker and marker.get("fingerprint") == step_fingerprint:
+        marker["skipped"] = True
+        return StepResult(**marker)
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tmp = work_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    start = time.perf_counter()
+    try:
+        extra = build(str(tmp)) or {}
+        tmp.mkdir(parents=True, exist_ok=True)  # a step with no rows writes no files
+        counts = count_rows(tmp)
+        result = StepResult(
+            name=name,
+            out_dir=str(final),
+            fingerprint=step_fingerprint,
+            rows_in=counts["rows"],
+            kept=counts["kept"],
+            dropped=counts["dropped"],
+            bytes_in=counts["text_bytes"],
+            seconds=round(time.perf_counter() - start, 3),
+            extra=extra,
+        )
+        (tmp / MARKER).write_text(json.dumps(result.to_dict(), indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def count_rows(step_dir: str | Path) -> dict[str, Any]:
+    """Kept/dropped counts of a step folder, file-status rows excluded."""
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if not files:
+        return {"rows": 0, "kept": 0, "dropped": {}, "text_bytes": 0}
+    table = pq.read_table(files, columns=["drop_reason", "record_type", "text"])
+    docs = table.filter(pc.fill_null(pc.not_equal(table["record_type"], FILE_STATUS), True))
+    reasons = Counter(r for r in docs["drop_reason"].to_pylist() if r)
+    kept_mask = pc.is_null(docs["drop_reason"])
+    text_bytes = pc.sum(pc.binary_length(pc.cast(docs["text"], pa.large_binary()))).as_py() or 0
+    return {
+        "rows": docs.num_rows,
+        "kept": int(pc.sum(pc.cast(kept_mask, pa.int64())).as_py() or 0),
+        "dropped": dict(sorted(reasons.items())),
+        "text_bytes": int(text_bytes),
+    }
+
+
+def _undropped(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.is_null(batch["drop_reason"]))
+
+
+def read_kept(step_dir: str) -> ray.data.Dataset:
+    """The documents of a step folder that no step has dropped."""
+    return ray.data.read_parquet(step_dir).map_batches(_undropped, batch_format="pyarrow")
+
+
+def _write(ds: ray.data.Dataset, out_dir: str) -> None:
+    ds.write_parquet(out_dir, compression="zstd")
+
+
+# --------------------------------------------------------------------------- extract
+
+
+def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int) -> Iterator[pa.Table]:
+    from crawl2chat.stages.warc_input import WarcReader
+
+    for path in batch["path"]:
+        reader = WarcReader(extract_cfg)
+        docs: list[dict] = []
+        records = 0
+        for doc in reader.run(str(path)):
+            records += 1
+            docs.append(doc)
+            if len(docs) >= rows_per_table:
+                yield to_table(docs, EXTRACT_COLUMNS)
+                docs = []
+        errors = "; ".join(str(e.get("error")) for e in reader.file_errors)
+        docs.append(
+            {
+                "id": hashlib.sha256(str(path).encode()).hexdigest()[:16],
+                "url": str(path),
+                "source": Path(str(path)).name,
+                "record_type": FILE_STATUS,
+                "text": "",
+                "drop_reason": "file:error" if errors else "file:ok",
+                "file_error": errors or None,
+                "records_read": records,
+            }
+        )
+        yield to_table(docs, EXTRACT_COLUMNS)
+
+
+def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
+    """WARC/WET files -> one document per response/conversion record."""
+    if not files:
+        raise NothingUsableError("No input files were found to read.")
+    fp = fingerprint("extract", files_fingerprint(files), extract_cfg.model_dump())
+
+    def build(tmp: str) -> dict[str, Any]:
+        ds = ray.data.from_items([{"path": p} for p in files], override_num_blocks=len(files))
+        ds = ds.map_batches(
+            _extract_files,
+            batch_size=1,
+            batch_format="numpy",
+            fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512},
+        )
+        _write(ds, tmp)
+        return {"input_files": len(files)}
+
+    result = run_step("extract", work_dir, fp, build)
+    result.extra["files"] = file_statuses(result.out_dir)
+    return result
+
+
+def file_statuses(step_dir: str) -> list[dict[str, Any]]:
+    """Per-input-file status rows written by the extract step."""
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if not files:
+        return []
+    table = pq.read_table(files, columns=["url", "record_type", "drop_reason", "file_error", "records_read"])
+    table = table.filter(pc.equal(table["record_type"], FILE_STATUS))
+    rows = [
+        {"path": r["url"], "ok": r["drop_reason"] == "file:ok", "error": r["file_error"], "records": r["records_read"]}
+        for r in table.to_pylist()
+    ]
+    return sorted(rows, key=lambda r: r["path"])
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _langid_blocks(cfg: Any) -> Callable[[], list]:
+    def make() -> list:
+        from crawl2chat.stages.langid import LanguageId
+
+        return [LanguageId(cfg)]
+
+    return make
+
+
+def _quality_blocks(cfg: Any) -> Callable[[], list]:
+    def make() -> list:
+        from crawl2chat.stages.quality import build_quality_blocks
+
+        return build_quality_blocks(cfg)
+
+    return make
+
+
+def block_step(
+    name: str,
+    upstream: StepResult,
+    work_dir: str,
+    cfg: Any,
+    make_blocks: Callable[[], list],
+    columns: Sequence[str],
+) -> StepResult:
+    fp = fingerprint(name, upstream.fingerprint, cfg.model_dump())
+
+    def build(tmp: str) -> dict[str, Any]:
+        if upstream.kept == 0:
+            return {}
+        ds = read_kept(upstream.out_dir).map_batches(
+            BlockBatchMapper(make_blocks, columns), batch_format="pyarrow", batch_size=256
+        )
+        _write(ds, tmp)
+        return {}
+
+    return run_step(name, work_dir, fp, build)
+
+
+def langid_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS)
+
+
+def quality_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    return block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS)
+
+
+def dedup_step(
+    upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str] = ()
+) -> StepResult:
+    from crawl2chat.stages.dedup import dedup
+
+    fp = fingerprint("dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index))
+
+    def build(tmp: str) -> dict[str, Any]:
+        if upstream.kept == 0:
+            return {}
+        index_dir = os.path.join(tmp, "_index_work")
+        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index))
+        ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
+        _write(ds, tmp)
+        # The persisted index sits beside the step output, outside the Parquet glob.
+        if os.path.isdir(os.path.join(index_dir, "index")):
+            os.replace(os.path.join(index_dir, "index"), os.path.join(tmp, "_index"))
+        shutil.rmtree(index_dir, ignore_errors=True)
+        return {"dedup": stats}
+
+    return run_step("dedup", work_dir, fp, build)
+
+
+# --------------------------------------------------------------------------- write
+
+
+def _group_sizes(step_dir: str, by: str, unit: str) -> tuple[dict[str, int], dict[str, float]]:
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if not files:
+        return {}, {}
+    column = "source" if by == "source" else "lang"
+    table = pq.read_table(files, columns=["drop_reason", column, "text"])
+    table = table.filter(pc.is_null(table["drop_reason"]))
+    keys = [k or "unknown" for k in table[column].to_pylist()]
+    lengths = pc.binary_length(pc.cast(table["text"], pa.large_binary())).to_pylist()
+    docs: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for key, length in zip(keys, lengths):
+        docs[key] += 1
+        sizes[key] += float(length) if unit == "bytes" else 1.0
+    return dict(docs), dict(sizes)
+
+
+def _apply_balance(batch: pa.Table, by: str, rates: dict[str, float], mode: str, seed: int) -> pa.Table:
+    from crawl2chat.stages.balance import keep_document
+
+    docs = batch.to_pylist()
+    column = "source" if by == "source" else "lang"
+    out = []
+    for doc in docs:
+        rate = rates.get(doc.get(column) or "unknown", 1.0) if by != "none" else 1.0
+        doc["sample_weight"] = rate
+        if mode == "sample" and not keep_document(doc["id"], rate, seed):
+            doc["drop_reason"] = "balance:downsampled"
+        out.append(doc)
+    schema = pa.schema(list(to_table([], DEDUP_COLUMNS).schema) + [("sample_weight", pa.float64())])
+    return pa.Table.from_pylist(out, schema=schema)
+
+
+def balance_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    """Compute per-group keep rates and mark thinned documents (they are quarantined too)."""
+    from crawl2chat.stages.balance import group_keep_rates
+
+    fp = fingerprint("balance", upstream.fingerprint, cfg.model_dump())
+
+    def build(tmp: str) -> dict[str, Any]:
+        docs, sizes = _group_sizes(upstream.out_dir, cfg.by, cfg.size_unit)
+        rates = group_keep_rates(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
+        if upstream.kept:
+            ds = read_kept(upstream.out_dir).map_batches(
+                _apply_balance,
+                batch_format="pyarrow",
+                fn_kwargs={"by": cfg.by, "rates": rates, "mode": cfg.mode, "seed": cfg.seed},
+            )
+            _write(ds, tmp)
+        return {"groups": docs, "group_sizes": sizes, "keep_rates": rates}
+
+    return run_step("balance", work_dir, fp, build)
+
+
+def _rename_in_order(folder: Path, prefix: str) -> list[Path]:
+    parts = sorted(folder.glob("*.parquet"))
+    named = []
+    for i, part in enumerate(parts):
+        target = folder / f"{prefix}-{i:05d}.parquet"
+        os.replace(part, target)
+        named.append(target)
+    return named
+
+
+def write_dataset(
+    steps: Sequence[StepResult],
+    out_dir: str,
+    shard_bytes: int,
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """Final shards, the quarantine of dropped documents, and ``manifest.json``.
+
+    ``steps`` are the step results in order; the last one holds the kept
+    documents. Shards are written to a temporary folder and swapped in whole.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    last = steps[-1]
+    tmp = out / f".write.tmp-{uuid.uuid4().hex[:8]}"
+    (tmp / "shards").mkdir(parents=True)
+    (tmp / "rejected").mkdir(parents=True)
+    try:
+        kept_bytes = last.bytes_in
+        if last.kept:
+            n_shards = max(1, -(-kept_bytes // max(shard_bytes, 1)))
+            ds = read_kept(last.out_dir).select_columns(list(SHARD_COLUMNS))
+            ds.repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
+        shards = _rename_in_order(tmp / "shards", "shard")
+
+        # Step folders differ in columns, so each is mapped to the quarantine schema first.
+        rejected = [
+            ray.data.read_parquet(s.out_dir).map_batches(_rejected_rows, batch_format="pyarrow")
+            for s in steps
+            if sum(s.dropped.values())
+        ]
+        if rejected:
+            rejected[0].union(*rejected[1:]).write_parquet(str(tmp / "rejected"), compression="zstd")
+        _rename_in_order(tmp / "rejected", "rejected")
+
+        digest = hashlib.sha256()
+        shard_info = []
+        for shard in shards:
+            digest.update(shard.read_bytes())
+            shard_info.append({"path": f"shards/{shard.name}", "rows": pq.ParquetFile(shard).metadata.num_rows,
+                               "bytes": shard.stat().st_size})
+        drops: Counter[str] = Counter()
+        for s in steps:
+            drops.update(s.dropped)
+        files = next((s.extra.get("files") for s in steps if s.name == "extract"), [])
+        manifest = {
+            "documents_kept": sum(s["rows"] for s in shard_info),
+            "documents_dropped": sum(drops.values()),
+            "drop_reasons": dict(sorted(drops.items())),
+            "steps": [s.to_dict() for s in steps],
+            "files": files,
+            "unreadable_files": [f for f in files if not f["ok"]],
+            "shards": shard_info,
+            "content_digest": "sha256:" + digest.hexdigest(),
+            "config": config,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        for name in ("shards", "rejected", "manifest.json"):
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(tmp / name, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if manifest["documents_kept"] == 0:
+        raise NothingUsableError(_nothing_left_sentence(manifest))
+    return manifest
+
+
+def _nothing_left_sentence(manifest: dict[str, Any]) -> str:
+    if manifest["files"] and not any(f["records"] for f in manifest["files"]):
+        return "No document could be read from the input files; see manifest.json for each file's error."
+    top = ", ".join(f"{r} ({n})" for r, n in Counter(manifest["drop_reasons"]).most_common(3))
+    return f"Every document was dropped (top reasons: {top or 'none'}); see manifest.json and rejected/."
+
+
+def _rejected_rows(batch: pa.Table) -> pa.Table:
+    not_status = pc.fill_null(pc.not_equal(batch["record_type"], FILE_STATUS), True)
+    batch = batch.filter(pc.and_(pc.invert(pc.is_null(batch["drop_reason"])), not_status))
+    step = pc.utf8_slice_codeunits(batch["drop_reason"], 0, 64)
+    return pa.table(
+        {
+            "id": batch["id"],
+            "url": batch["url"],
+            "reason": step,
+            "source": batch["source"],
+            "lang": batch["lang"] if "lang" in batch.column_names else pa.nulls(batch.num_rows, pa.string()),
+            "text": batch["text"],
+        }
+    )

@@ -1,0 +1,178 @@
+"""Prefect tasks of the data stage: each runs one step and records it in MLflow.
+
+The tasks are thin: the work is in :mod:`crawl2chat.stages`; a task connects to
+Ray, opens the step's MLflow child run, logs parameters, counts and artifacts,
+and hands the next task a small result (paths and counts, never a dataset).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlflow
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from crawl2chat.infra.ray_runtime import ensure_ray
+from crawl2chat.infra.tracking import stage_run
+from crawl2chat.stages import data_pipeline as steps
+from crawl2chat.stages.data_pipeline import StepResult
+
+
+def metric_name(text: str) -> str:
+    """MLflow metric names allow letters, digits and ``_-. /``; drop reasons use ``:``."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "/", text)
+
+
+def log_step(result: StepResult) -> None:
+    mlflow.log_metrics(
+        {
+            "documents_in": result.rows_in,
+            "documents_kept": result.kept,
+            "documents_dropped": sum(result.dropped.values()),
+            "seconds": result.seconds,
+            "text_mb": result.bytes_in / 2**20,
+            **({"docs_per_second": result.rows_in / result.seconds} if result.seconds else {}),
+            **{f"dropped.{metric_name(r)}": n for r, n in result.dropped.items()},
+        }
+    )
+    mlflow.set_tags({"crawl2chat.skipped": str(result.skipped), "crawl2chat.fingerprint": result.fingerprint})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{result.name}_result.json"
+        path.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+        mlflow.log_artifact(str(path))
+
+
+def _print_step(result: StepResult) -> None:
+    drops = sum(result.dropped.values())
+    state = "skipped (already done)" if result.skipped else f"{result.seconds:.1f}s"
+    print(f"[data] {result.name:<8} {result.rows_in:>7} in  {result.kept:>7} kept  {drops:>6} dropped  {state}", flush=True)
+
+
+@task(name="crawl", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
+def crawl_task(crawl_cfg: Any, out_dir: str) -> list[str]:
+    """Crawl the seed URLs (or the local documentation server) into WARC files."""
+    from crawl2chat.stages.crawl import crawl
+    from crawl2chat.stages.local_site import PydocSite
+
+    params = crawl_cfg.model_dump()
+    with stage_run("crawl", {"crawl": params}):
+        crawl_dir = Path(out_dir) / "crawl"
+        if crawl_cfg.seed_urls:
+            result = crawl(crawl_cfg, crawl_dir)
+        else:
+            with PydocSite() as site:
+                cfg = crawl_cfg.model_copy(update={"seed_urls": [site.url]})
+                print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)
+                result = crawl(cfg, crawl_dir)
+        report = result.to_dict()
+        mlflow.log_metrics(
+            {
+                "pages_fetched": result.pages_fetched,
+                "pages_not_modified": result.pages_not_modified,
+                "mb_fetched": result.bytes_fetched / 2**20,
+                **{f"skipped.{metric_name(k)}": v for k, v in result.skipped.items()},
+            }
+        )
+        mlflow.log_dict(report, "crawl_report.json")
+        print(f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
+              f"{len(result.warc_paths)} WARC files", flush=True)
+    # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
+    return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
+
+
+def _step_task(name: str):
+    def decorate(fn):
+        return task(name=name, retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)(fn)
+
+    return decorate
+
+
+@_step_task("extract")
+def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
+    ensure_ray()
+    with stage_run("extract", {"extract": extract_cfg.model_dump(), "input_files": len(files)}):
+        result = steps.extract_step(list(files), work_dir, extract_cfg)
+        log_step(result)
+        bad = [f for f in result.extra.get("files", []) if not f["ok"]]
+        mlflow.log_metric("unreadable_files", len(bad))
+    _print_step(result)
+    return result
+
+
+@_step_task("langid")
+def langid_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    ensure_ray()
+    with stage_run("langid", {"langid": cfg.model_dump()}):
+        result = steps.langid_step(upstream, work_dir, cfg)
+        log_step(result)
+    _print_step(result)
+    return result
+
+
+@_step_task("quality")
+def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    ensure_ray()
+    with stage_run("quality", {"quality": cfg.model_dump()}):
+        result = steps.quality_step(upstream, work_dir, cfg)
+        log_step(result)
+    _print_step(result)
+    return result
+
+
+@_step_task("dedup")
+def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str]) -> StepResult:
+    ensure_ray()
+    with stage_run("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index)}):
+        result = steps.dedup_step(upstream, work_dir, cfg, previous_index)
+        log_step(result)
+        stats = result.extra.get("dedup", {})
+        mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
+    _print_step(result)
+    return result
+
+
+@_step_task("balance")
+def balance_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    ensure_ray()
+    with stage_run("balance", {"balance": cfg.model_dump()}):
+        result = steps.balance_step(upstream, work_dir, cfg)
+        log_step(result)
+        mlflow.log_dict(result.extra, "balance.json")
+    _print_step(result)
+    return result
+
+
+@_step_task("write")
+def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, config: dict) -> dict:
+    ensure_ray()
+    with stage_run("write", {"shard_bytes": shard_bytes, "out": out_dir}):
+        try:
+            manifest = steps.write_dataset(list(results), out_dir, shard_bytes, config)
+        finally:
+            manifest_path = Path(out_dir) / "manifest.json"
+            if manifest_path.exists():
+                mlflow.log_artifact(str(manifest_path))
+        mlflow.log_metrics(
+            {"documents_kept": manifest["documents_kept"], "documents_dropped": manifest["documents_dropped"],
+             "shards": len(manifest["shards"])}
+        )
+        mlflow.set_tag("crawl2chat.data_digest", manifest["content_digest"])
+    print(f"[data] write    {manifest['documents_kept']:>7} documents in {len(manifest['shards'])} shards "
+          f"-> {out_dir}/shards", flush=True)
+    return manifest
+
+
+@_step_task("review")
+def review_task(out_dir: str, cfg: Any) -> str:
+    from crawl2chat.stages.review import write_review
+
+    with stage_run("review", {"review": cfg.model_dump()}):
+        path = write_review(out_dir, cfg)
+        mlflow.log_artifact(str(path))
+    print(f"[data] review sample -> {path}", flush=True)
+    return str(path)
