@@ -287,8 +287,37 @@ def langid_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
     return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS)
 
 
+def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, Any]]:
+    """Train the quality classifier from the configured example files when it has no model yet.
+
+    A relative ``model_dir`` lives beside the step folders, so each output folder
+    keeps the classifier that filtered it.
+    """
+    clf = cfg.classifier
+    if not clf.enabled:
+        return cfg, {}
+    model_dir = Path(clf.model_dir)
+    if not model_dir.is_absolute():
+        model_dir = Path(work_dir) / model_dir
+    clf = clf.model_copy(update={"model_dir": str(model_dir)})
+    cfg = cfg.model_copy(update={"classifier": clf})
+    from crawl2chat.stages.quality_classifier import PARAMS_FILE, train_quality_classifier
+
+    if (model_dir / PARAMS_FILE).exists():
+        return cfg, {"classifier": "reused", "model_dir": str(model_dir)}
+    if not (clf.positive_files and clf.negative_files):
+        raise ValueError(
+            "data.quality.classifier is enabled but has no model in "
+            f"{model_dir} and no positive_files/negative_files to train one from."
+        )
+    return cfg, {"classifier": "trained", "model_dir": str(model_dir), **train_quality_classifier(clf)}
+
+
 def quality_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    return block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS)
+    cfg, classifier_info = prepare_quality_classifier(cfg, work_dir)
+    result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS)
+    result.extra.update(classifier_info)
+    return result
 
 
 def dedup_step(

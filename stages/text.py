@@ -4,7 +4,8 @@ Word-based rules were designed for languages that put spaces between words.
 Chinese, Japanese and Thai do not, so a whitespace split would see a whole
 paragraph as one "word". Here every CJK ideograph, kana and Hangul syllable
 counts as a word of its own (the usual convention in multilingual filtering),
-and everything else is split on Unicode word boundaries.
+and everything else is split on Unicode word boundaries (letters, digits and
+the combining marks that Indic scripts need inside words).
 """
 
 from __future__ import annotations
@@ -21,7 +22,32 @@ _UNSPACED = (
     "\uac00-\ud7af"  # Hangul syllables
     "\u0e00-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f"  # Thai, Lao, Khmer, Myanmar
 )
-_WORD_RE = re.compile(rf"[{_UNSPACED}]|[^\W{_UNSPACED}]+(?:['’\-][^\W{_UNSPACED}]+)*", re.UNICODE)
+
+
+def _combining_mark_class() -> str:
+    """Regex class body of the combining marks (Unicode categories Mn, Mc, Me) below U+20000.
+
+    Python's ``\\w`` excludes them, which would cut Devanagari, Bengali, Tamil
+    and other Indic words at every vowel sign, and decomposed (NFD) Latin at
+    every accent. Derived from ``unicodedata`` at import (a few ms) rather than
+    pasted as a table, so it follows the interpreter's Unicode version.
+    """
+    parts, start = [], None
+    for code in range(0x20001):
+        is_mark = code < 0x20000 and unicodedata.category(chr(code))[0] == "M"
+        if is_mark and start is None:
+            start = code
+        elif not is_mark and start is not None:
+            first, last = re.escape(chr(start)), re.escape(chr(code - 1))
+            parts.append(first if code - 1 == start else f"{first}-{last}")
+            start = None
+    return "".join(parts)
+
+
+_MARKS = _combining_mark_class()
+# A run of word characters, continued across combining marks.
+_RUN = rf"[^\W{_UNSPACED}]+(?:[{_MARKS}]+[^\W{_UNSPACED}]*)*"
+_WORD_RE = re.compile(rf"[{_UNSPACED}]|{_RUN}(?:['’\-]{_RUN})*", re.UNICODE)
 _UNSPACED_RE = re.compile(rf"[{_UNSPACED}]")
 
 UNSPACED_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "km", "my", "bo", "wuu", "yue"})

@@ -1,0 +1,45 @@
+"""Shared fixtures: one local Ray for the session, a real temporary Prefect API, the shared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Tests never talk to a cluster or a tracking server the developer happens to have configured.
+for var in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+    os.environ.pop(var, None)
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip("shared test data (../shared/data) is not present")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A real local Ray, started once for the whole test session."""
+    import ray
+
+    from crawl2chat.infra.ray_runtime import ensure_ray
+
+    info = ensure_ray(num_cpus=2)
+    yield info
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A real temporary Prefect API server (SQLite) for flow runs in this session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
