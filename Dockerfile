@@ -1,0 +1,13 @@
+# The project image: used by the Prefect worker, the Ray nodes and the MLflow server.
+FROM python:3.11.11-slim-bookworm
+WORKDIR /app
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+COPY pyproject.toml README.md ./
+COPY crawl2chat crawl2chat
+COPY flows flows
+COPY tasks tasks
+COPY stages stages
+COPY infra infra
+COPY prefect.yaml* ./
+RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
+ && pip install ".[s3]" psycopg2-binary boto3
