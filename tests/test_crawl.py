@@ -1,0 +1,448 @@
+"""The crawler against real HTTP servers on 127.0.0.1 (aiohttp.web in a thread, and pydoc)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from warcio.archiveiterator import ArchiveIterator
+
+from crawl2chat.stages.crawl import (
+    CrawlConfig,
+    CrawlResult,
+    RotatingWarcWriter,
+    crawl,
+    extract_links,
+    normalize_url,
+)
+from crawl2chat.stages.local_site import PydocSite
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class LocalServer:
+    """An aiohttp.web application served on 127.0.0.1 (port 0) from a background thread.
+
+    ``requests`` logs (path, monotonic start time) of every request as the
+    server saw it, for assertions about what the crawler asked for and when.
+    """
+
+    def __init__(self, routes: list[web.RouteDef]) -> None:
+        self.requests: list[tuple[str, float]] = []
+        self.routes = routes
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @web.middleware
+    async def _log(self, request: web.Request, handler):  # type: ignore[no-untyped-def]
+        self.requests.append((request.path_qs, time.monotonic()))
+        return await handler(request)
+
+    async def _start(self) -> None:
+        app = web.Application(middlewares=[self._log])
+        app.add_routes(self.routes)
+        # A short shutdown_timeout: the slow handler is still sleeping when a test ends.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def __enter__(self) -> "LocalServer":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.requests]
+
+
+def html(*links: str, text: str = "") -> web.Response:
+    body = "<html><body>" + text + "".join(f'<a href="{href}">{href}</a> ' for href in links) + "</body></html>"
+    return web.Response(text=body, content_type="text/html")
+
+
+def warc_records(result: CrawlResult) -> list[tuple[str, str | None, int | None, bytes]]:
+    """(record type, target URI, HTTP status, payload) of every record this crawl wrote."""
+    records = []
+    for path in result.warc_paths:
+        with open(path, "rb") as fh:
+            for record in ArchiveIterator(fh):
+                status = int(record.http_headers.get_statuscode()) if record.rec_type == "response" else None
+                records.append(
+                    (record.rec_type, record.rec_headers.get_header("WARC-Target-URI"), status, record.content_stream().read())
+                )
+    return records
+
+
+def quick_config(seed: str, **overrides: object) -> CrawlConfig:
+    settings: dict[str, object] = dict(seed_urls=[seed], per_host_delay_s=0.0, request_timeout_s=5.0, global_concurrency=4)
+    settings.update(overrides)
+    return CrawlConfig(**settings)
+
+
+# ----------------------------------------------------------------------------- one site, many behaviours
+
+
+@pytest.fixture(scope="module")
+def other_host():
+    """A second site on "localhost": links to it are off-domain for a crawl of 127.0.0.1."""
+
+    async def page(request: web.Request) -> web.Response:
+        return html()
+
+    with LocalServer([web.get("/{tail:.*}", page)]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def mixed_site(other_host, tmp_path_factory):
+    """A site exercising robots, redirects, errors, timeouts, content types and size limits, crawled once."""
+    port = other_host.url.rsplit(":", 1)[1]
+    offsite = f"http://localhost:{port}/offsite"
+
+    async def robots(request: web.Request) -> web.Response:
+        return web.Response(text="User-agent: *\nDisallow: /private/\n")
+
+    async def home(request: web.Request) -> web.Response:
+        return html(
+            "/a#section", "a", "/private/secret", "/redir/start", "/loop", "/missing", "/boom",
+            "/slow", "/data.json", "/big", "/plain.txt", offsite, "mailto:someone@example.org",
+            "javascript:void(0)", "/gz",
+        )
+
+    async def page_a(request: web.Request) -> web.Response:
+        return html("/", text="<p>Page A about the crawler.</p>")
+
+    async def secret(request: web.Request) -> web.Response:
+        return html(text="never fetched")
+
+    async def redir_start(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/redir/hop")
+
+    async def redir_hop(request: web.Request) -> web.Response:
+        raise web.HTTPMovedPermanently("/landing")
+
+    async def landing(request: web.Request) -> web.Response:
+        return html(text="<p>Landed after two redirects.</p>")
+
+    async def loop(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/loop")
+
+    async def gz(request: web.Request) -> web.Response:
+        response = html("/gz-child", text="<p>Sent gzip-compressed.</p>")
+        response.enable_compression(web.ContentCoding.gzip)
+        return response
+
+    async def gz_child(request: web.Request) -> web.Response:
+        return html(text="<p>Found through a compressed page.</p>")
+
+    async def boom(request: web.Request) -> web.Response:
+        raise web.HTTPInternalServerError()
+
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(3)
+        return html(text="too late")
+
+    async def data(request: web.Request) -> web.Response:
+        return web.json_response({"not": "html"})
+
+    async def big(request: web.Request) -> web.Response:
+        return web.Response(text="<html><body>" + "x" * 50_000 + "</body></html>", content_type="text/html")
+
+    async def plain(request: web.Request) -> web.Response:
+        return web.Response(text="Plain text is a page too.", content_type="text/plain")
+
+    routes = [
+        web.get("/robots.txt", robots), web.get("/", home), web.get("/a", page_a),
+        web.get("/private/secret", secret), web.get("/redir/start", redir_start),
+        web.get("/redir/hop", redir_hop), web.get("/landing", landing), web.get("/loop", loop),
+        web.get("/boom", boom), web.get("/slow", slow), web.get("/data.json", data),
+        web.get("/big", big), web.get("/plain.txt", plain), web.get("/gz", gz), web.get("/gz-child", gz_child),
+    ]
+    with LocalServer(routes) as server:
+        cfg = quick_config(server.url + "/", request_timeout_s=1.0, max_page_bytes=10_000, max_redirects=3)
+        out_dir = tmp_path_factory.mktemp("mixed")
+        result = crawl(cfg, out_dir)
+        yield server, result, out_dir
+
+
+def test_robots_disallow_is_honoured(mixed_site):
+    server, result, _ = mixed_site
+    assert "/private/secret" not in server.paths()
+    assert server.paths().count("/robots.txt") == 1
+    assert result.skipped["robots"] == 1
+
+
+def test_redirects_followed_and_loop_capped(mixed_site):
+    server, result, _ = mixed_site
+    assert server.url + "/landing" in result.changed_urls
+    assert result.skipped["redirect_limit"] == 1
+    # max_redirects=3: the first request plus three hops, then the crawler gives up.
+    assert server.paths().count("/loop") == 4
+    assert (server.url + "/loop", "redirect_limit") in result.errors
+
+
+def test_http_errors_and_timeout_counted(mixed_site):
+    _, result, _ = mixed_site
+    assert result.skipped["http_404"] == 1
+    assert result.skipped["http_500"] == 1
+    assert result.skipped["timeout"] == 1
+    assert (mixed_site[0].url + "/slow", "timeout") in result.errors
+
+
+def test_content_type_and_size_limits(mixed_site):
+    server, result, _ = mixed_site
+    assert result.skipped["content_type"] == 1
+    assert result.skipped["too_large"] == 1
+    stored = {uri for kind, uri, _, _ in warc_records(result) if kind == "response"}
+    assert server.url + "/data.json" not in stored
+    assert server.url + "/big" not in stored
+    assert server.url + "/plain.txt" in stored
+
+
+def test_off_domain_links_not_followed(mixed_site, other_host):
+    _, result, _ = mixed_site
+    assert result.skipped["off_domain"] == 1
+    assert other_host.requests == []
+
+
+def test_warc_holds_request_response_pairs(mixed_site):
+    server, result, out_dir = mixed_site
+    records = warc_records(result)
+    responses = {uri: payload for kind, uri, status, payload in records if kind == "response" and status == 200}
+    requests = [uri for kind, uri, _, _ in records if kind == "request"]
+    expected = {server.url + p for p in ("/", "/a", "/landing", "/plain.txt", "/gz", "/gz-child")}
+    assert set(responses) == expected
+    assert sorted(requests) == sorted(responses)
+    assert b"Page A about the crawler." in responses[server.url + "/a"]
+    # The gzip body is stored as sent; warcio undoes the Content-Encoding on reading.
+    assert b"Sent gzip-compressed." in responses[server.url + "/gz"]
+    assert result.pages_fetched == 6
+    assert all(Path(p).name.startswith("crawl-") and p.endswith(".warc.gz") for p in result.warc_paths)
+    assert not list((out_dir / "warc").glob("*.tmp"))
+    report = json.loads((out_dir / "crawl_report.json").read_text())
+    assert report["pages_fetched"] == 6 and report["skipped"] == result.skipped
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def chain_routes(length: int) -> list[web.RouteDef]:
+    """Pages /p0 -> /p1 -> ... each linking to the next; /p0 also fans out to /f0../f9."""
+
+    async def page(request: web.Request) -> web.Response:
+        n = int(request.match_info["n"])
+        links = [f"/p{n + 1}"] if n + 1 < length else []
+        if n == 0:
+            links += [f"/f{i}" for i in range(10)]
+        return html(*links)
+
+    async def fan(request: web.Request) -> web.Response:
+        return html()
+
+    async def no_robots(request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    return [web.get("/robots.txt", no_robots), web.get("/p{n:\\d+}", page), web.get("/f{n:\\d+}", fan)]
+
+
+def test_depth_limit(tmp_path):
+    with LocalServer(chain_routes(6)) as server:
+        result = crawl(quick_config(server.url + "/p0", max_depth=2), tmp_path)
+        fetched = set(server.paths()) - {"/robots.txt"}
+    assert fetched == {"/p0", "/p1", "/p2"} | {f"/f{i}" for i in range(10)}
+    assert result.pages_fetched == 13
+    assert result.skipped["depth"] == 1  # /p3, the first link beyond depth 2
+
+
+def test_warc_files_rotate(tmp_path):
+    with LocalServer(chain_routes(3)) as server:
+        result = crawl(quick_config(server.url + "/p0", warc_max_bytes=1), tmp_path)
+    assert result.pages_fetched == 13
+    assert len(result.warc_paths) == 13  # every request/response pair overflows its file
+    assert sorted(result.warc_paths) == sorted(str(p) for p in (tmp_path / "warc").glob("*.warc.gz"))
+    assert sum(1 for kind, *_ in warc_records(result) if kind == "response") == 13
+
+
+def test_max_total_bytes_stops_queueing(tmp_path):
+    with LocalServer(chain_routes(3)) as server:
+        result = crawl(quick_config(server.url + "/p0", max_total_bytes=1, global_concurrency=1), tmp_path)
+    assert result.pages_fetched == 1
+    assert result.skipped["max_total_bytes"] == 11  # /p1 and /f0../f9
+
+
+def test_max_pages_limit(tmp_path):
+    with LocalServer(chain_routes(6)) as server:
+        result = crawl(quick_config(server.url + "/p0", max_pages=5), tmp_path)
+        fetched = [p for p in server.paths() if p != "/robots.txt"]
+    assert result.pages_fetched == 5
+    assert len(fetched) == 5
+    # Every URL discovered but not fetched was counted under max_pages.
+    state = json.loads((tmp_path / "crawl_state.json").read_text())
+    discovered = {server.url + "/p0"} | {link for entry in state.values() for link in entry["outlinks"]}
+    assert result.skipped["max_pages"] == len(discovered) - 5 > 0
+
+
+# ----------------------------------------------------------------------------- incremental re-crawl
+
+
+def test_second_crawl_sends_conditional_requests(tmp_path):
+    pages = {"/": '<a href="/a">a</a> <a href="/b">b</a>', "/a": "first page", "/b": '<a href="/c">c</a> old'}
+    pages["/c"] = "only reachable through b"
+
+    async def page(request: web.Request) -> web.Response:
+        body = f"<html><body>{pages[request.path]}</body></html>"
+        etag = '"' + hashlib.sha1(body.encode()).hexdigest()[:16] + '"'
+        if request.headers.get("If-None-Match") == etag:
+            return web.Response(status=304, headers={"ETag": etag})
+        return web.Response(text=body, content_type="text/html", headers={"ETag": etag})
+
+    with LocalServer([web.get(p, page) for p in pages]) as server:
+        first = crawl(quick_config(server.url + "/"), tmp_path)
+        assert sorted(first.changed_urls) == sorted(server.url + p for p in pages)
+        pages["/b"] = '<a href="/c">c</a> new text'
+        second = crawl(quick_config(server.url + "/"), tmp_path)
+
+    assert second.changed_urls == [server.url + "/b"]
+    assert second.pages_not_modified == 3  # /, /a and /c, reached through the stored outlinks of /
+    assert second.pages_fetched == 1
+    records = warc_records(second)
+    assert [(kind, uri) for kind, uri, _, _ in records if kind == "response"] == [("response", server.url + "/b")]
+    assert sorted(uri for kind, uri, _, _ in records if kind == "revisit") == sorted(
+        server.url + p for p in ("/", "/a", "/c")
+    )
+    assert set(first.warc_paths).isdisjoint(second.warc_paths)
+    state = json.loads((tmp_path / "crawl_state.json").read_text())
+    assert set(state) == {server.url + p for p in pages}
+    assert state[server.url + "/"]["outlinks"] == [server.url + "/a", server.url + "/b"]
+
+
+def test_unchanged_payload_without_validators_is_a_revisit(tmp_path):
+    """A server that sends no ETag/Last-Modified: the payload digest decides what changed."""
+    with LocalServer(chain_routes(1)) as server:
+        first = crawl(quick_config(server.url + "/p0"), tmp_path)
+        second = crawl(quick_config(server.url + "/p0"), tmp_path)
+    assert len(first.changed_urls) == first.pages_fetched == 11
+    assert second.pages_fetched == 11 and second.pages_not_modified == 0
+    assert second.changed_urls == []
+    kinds = [kind for kind, *_ in warc_records(second)]
+    assert kinds.count("revisit") == 11 and "response" not in kinds
+
+
+# ----------------------------------------------------------------------------- politeness
+
+
+def test_per_host_delay_measured_by_server(tmp_path):
+    with LocalServer(chain_routes(3)) as server:
+        cfg = quick_config(server.url + "/p0", per_host_concurrency=1, per_host_delay_s=0.05, global_concurrency=8)
+        result = crawl(cfg, tmp_path)
+        starts = [t for _, t in server.requests]
+    assert result.pages_fetched == 13
+    assert len(starts) == 14  # robots.txt + 13 pages
+    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    assert min(gaps) >= 0.05
+
+
+def test_robots_crawl_delay_wins_over_configured_delay(tmp_path):
+    async def robots(request: web.Request) -> web.Response:
+        # urllib.robotparser reads whole seconds only.
+        return web.Response(text="User-agent: crawl2chat\nCrawl-delay: 1\nDisallow:\n")
+
+    async def page(request: web.Request) -> web.Response:
+        return html("/1")
+
+    with LocalServer([web.get("/robots.txt", robots), web.get("/{n:\\d*}", page)]) as server:
+        result = crawl(quick_config(server.url + "/", per_host_delay_s=0.01), tmp_path)
+        starts = [t for path, t in server.requests if path != "/robots.txt"]
+    assert result.pages_fetched == 2
+    assert starts[1] - starts[0] >= 1.0
+
+
+def test_failing_robots_disallows_the_site(tmp_path):
+    async def robots(request: web.Request) -> web.Response:
+        raise web.HTTPServiceUnavailable()
+
+    async def page(request: web.Request) -> web.Response:
+        return html()
+
+    with LocalServer([web.get("/robots.txt", robots), web.get("/", page)]) as server:
+        result = crawl(quick_config(server.url + "/"), tmp_path)
+        assert server.paths() == ["/robots.txt"]
+    assert result.pages_fetched == 0
+    assert result.skipped == {"robots_unavailable": 1}
+    assert result.warc_paths == []
+
+
+def test_unreachable_server_is_counted(tmp_path):
+    with LocalServer([]) as server:
+        dead_url = server.url + "/"
+    # The server is gone; its port now refuses connections.
+    result = crawl(quick_config(dead_url, respect_robots=False), tmp_path)
+    assert result.skipped == {"connection_error": 1}
+    assert result.errors == [(dead_url, "connection_error")]
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+
+def test_url_normalisation():
+    assert normalize_url("b.html#x", "http://Example.COM:80/a/") == "http://example.com/a/b.html"
+    assert normalize_url("https://example.com") == "https://example.com/"
+    assert normalize_url("mailto:a@b.c") is None
+    assert normalize_url("//other.org/p?q=1", "https://example.com/") == "https://other.org/p?q=1"
+    assert normalize_url("http://[::1]:8080/x") == "http://[::1]:8080/x"
+    assert normalize_url("http://host:notaport/") is None
+
+
+def test_link_extraction_honours_base_and_nofollow():
+    page = b'<html><head><base href="/docs/"></head><body><a href="a.html">a</a><a href="#top">t</a></body></html>'
+    # A fragment-only link resolves against <base>, as browsers do.
+    assert extract_links(page, "http://h.org/index.html") == ["http://h.org/docs/a.html", "http://h.org/docs/"]
+    nofollow = b'<html><head><meta name="robots" content="noindex, nofollow"></head><a href="/x">x</a></html>'
+    assert extract_links(nofollow, "http://h.org/") == []
+
+
+def test_unfinished_warc_file_never_carries_the_final_name(tmp_path):
+    sink = RotatingWarcWriter(tmp_path, max_bytes=1 << 20, user_agent="test")
+    record = sink.writer.create_warc_record("http://h.org/", "resource", payload=io.BytesIO(b"x"), length=1)
+    sink.write(record)
+    # Until close (a crawl killed here), only the .tmp name exists.
+    assert [p.name.endswith(".warc.gz.tmp") for p in tmp_path.iterdir()] == [True]
+    sink.close()
+    assert [p.name for p in tmp_path.iterdir()] == [Path(sink.paths[0]).name]
+    with open(sink.paths[0], "rb") as fh:
+        assert [r.rec_type for r in ArchiveIterator(fh)] == ["warcinfo", "resource"]
+
+
+# ----------------------------------------------------------------------------- the embedded default target
+
+
+def test_pydoc_site_crawl(tmp_path):
+    with PydocSite() as site:
+        assert site.url.startswith("http://127.0.0.1:")
+        result = crawl(quick_config(site.url, max_pages=20), tmp_path)
+    assert result.pages_fetched == 20
+    responses = [payload for kind, _, status, payload in warc_records(result) if kind == "response" and status == 200]
+    assert len(responses) == 20
+    titles = [re.search(rb"<title>(.*?)</title>", payload).group(1).decode() for payload in responses]
+    assert "Pydoc: Index of Modules" in titles
+    module_pages = [t for t in titles if re.fullmatch(r"Pydoc: (built-in )?module \w+", t)]
+    assert len(module_pages) >= 10
+    index = responses[titles.index("Pydoc: Index of Modules")]
+    assert b"builtins" in index and b"sys" in index
