@@ -39,7 +39,9 @@ class PydocSite:
     def __enter__(self) -> "PydocSite":
         env = dict(os.environ, PYTHONUNBUFFERED="1", BROWSER="true")
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "pydoc", "-n", "127.0.0.1", "-p", "0"],
+            # -S: document the standard library only, the same on every machine, without
+            # importing (and serving pages for) whatever else the environment has installed.
+            [sys.executable, "-S", "-m", "pydoc", "-n", "127.0.0.1", "-p", "0"],
             # pydoc stops serving at end of input, so stdin stays an open pipe.
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
