@@ -13,6 +13,7 @@ import logging
 import os
 
 import ray
+from ray.data.context import ShuffleStrategy
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,11 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
+        if not address:
+            # Ray's default hash shuffle starts aggregator actors for every groupby
+            # (seconds each on a small machine); dedup runs several groupbys, so a
+            # single machine uses the sort-based shuffle. Clusters keep the default.
+            ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
         log.info("Ray connected: %s", address or "local")
     resources = ray.cluster_resources()
     return {

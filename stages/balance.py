@@ -3,14 +3,18 @@
 Web crawls are dominated by a few languages. Each group g (a language or a
 source) gets a sampling weight ``w_g = f_g**alpha / s_g**beta``, where ``f_g`` is
 the group's share of documents and ``s_g`` its share of the current data amount
-(bytes by default). The weights define a target mixture ``p_g = w_g / sum(w)``;
-each document is then kept with probability ``r_g = p_g / s_g``, scaled so the
-largest rate is 1 (no group is repeated, the most over-represented ones are
-thinned). With alpha=0.7, beta=0.3 and f=s the target is ``s**0.4``: a flattening
-of the mixture in the spirit of temperature sampling.
+(bytes by default). The weights define a target mixture ``p_g = w_g / sum(w)``,
+and each document carries ``sample_weight = p_g / s_g``: how much more (>1) or
+less (<1) often than its natural share its group should be seen in training.
+With alpha=0.7, beta=0.3 and f=s the target is ``s**0.4``: a flattening of the
+mixture in the spirit of temperature sampling.
 
-The keep decision hashes the document id with a seed, so it is the same on every
-worker and on every rerun.
+By default every document is kept and the weight is written to the shards for
+the training sampler (no data is thrown away). In ``sample`` mode the shards
+themselves follow the target mixture: each document is kept with probability
+``sample_weight / max(sample_weight)``, so no group is repeated and the most
+over-represented ones are thinned. The keep decision hashes the document id with
+a seed, so it is the same on every worker and on every rerun.
 """
 
 from __future__ import annotations
@@ -32,18 +36,19 @@ class BalanceConfig(BaseModel):
     size_unit: Literal["bytes", "documents"] = Field(
         "bytes", description="How a group's current data amount is measured."
     )
-    mode: Literal["sample", "weight"] = Field(
-        "sample",
-        description="'sample' keeps each document with its group's rate; 'weight' keeps all and "
-        "only writes the rate to the `sample_weight` column for the training sampler.",
+    mode: Literal["weight", "sample"] = Field(
+        "weight",
+        description="'weight' keeps every document and writes its group's weight to the "
+        "`sample_weight` column for the training sampler; 'sample' thins over-represented "
+        "groups in the shards themselves (dropped documents are quarantined as balance:downsampled).",
     )
     seed: int = Field(0, description="Seed of the per-document keep decision.")
 
 
-def group_keep_rates(
+def group_weights(
     doc_counts: dict[str, int], sizes: dict[str, float], alpha: float, beta: float
 ) -> dict[str, float]:
-    """Keep rate per group, in (0, 1], from document counts and data sizes."""
+    """``p_g / s_g`` per group: target share over current share."""
     total_docs = sum(doc_counts.values())
     total_size = sum(sizes.values())
     if not total_docs or not total_size:
@@ -53,9 +58,16 @@ def group_keep_rates(
     weight = {g: freq[g] ** alpha / share[g] ** beta for g in doc_counts}
     total_weight = sum(weight.values())
     target = {g: w / total_weight for g, w in weight.items()}
-    rate = {g: target[g] / share[g] for g in doc_counts}
-    top = max(rate.values())
-    return {g: r / top for g, r in rate.items()}
+    return {g: target[g] / share[g] for g in doc_counts}
+
+
+def group_keep_rates(
+    doc_counts: dict[str, int], sizes: dict[str, float], alpha: float, beta: float
+) -> dict[str, float]:
+    """Keep rate per group in (0, 1] for ``sample`` mode: weights scaled so the largest is 1."""
+    weights = group_weights(doc_counts, sizes, alpha, beta)
+    top = max(weights.values(), default=1.0)
+    return {g: w / top for g, w in weights.items()}
 
 
 def keep_document(doc_id: str, rate: float, seed: int) -> bool:

@@ -363,16 +363,17 @@ def _group_sizes(step_dir: str, by: str, unit: str) -> tuple[dict[str, int], dic
     return dict(docs), dict(sizes)
 
 
-def _apply_balance(batch: pa.Table, by: str, rates: dict[str, float], mode: str, seed: int) -> pa.Table:
+def _apply_balance(batch: pa.Table, by: str, weights: dict[str, float], mode: str, seed: int) -> pa.Table:
     from crawl2chat.stages.balance import keep_document
 
     docs = batch.to_pylist()
     column = "source" if by == "source" else "lang"
+    top = max(weights.values(), default=1.0)
     out = []
     for doc in docs:
-        rate = rates.get(doc.get(column) or "unknown", 1.0) if by != "none" else 1.0
-        doc["sample_weight"] = rate
-        if mode == "sample" and not keep_document(doc["id"], rate, seed):
+        weight = weights.get(doc.get(column) or "unknown", 1.0) if by != "none" else 1.0
+        doc["sample_weight"] = weight
+        if mode == "sample" and not keep_document(doc["id"], weight / top, seed):
             doc["drop_reason"] = "balance:downsampled"
         out.append(doc)
     schema = pa.schema(list(to_table([], DEDUP_COLUMNS).schema) + [("sample_weight", pa.float64())])
@@ -381,21 +382,21 @@ def _apply_balance(batch: pa.Table, by: str, rates: dict[str, float], mode: str,
 
 def balance_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
     """Compute per-group keep rates and mark thinned documents (they are quarantined too)."""
-    from crawl2chat.stages.balance import group_keep_rates
+    from crawl2chat.stages.balance import group_weights
 
     fp = fingerprint("balance", upstream.fingerprint, cfg.model_dump())
 
     def build(tmp: str) -> dict[str, Any]:
         docs, sizes = _group_sizes(upstream.out_dir, cfg.by, cfg.size_unit)
-        rates = group_keep_rates(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
+        weights = group_weights(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
         if upstream.kept:
             ds = read_kept(upstream.out_dir).map_batches(
                 _apply_balance,
                 batch_format="pyarrow",
-                fn_kwargs={"by": cfg.by, "rates": rates, "mode": cfg.mode, "seed": cfg.seed},
+                fn_kwargs={"by": cfg.by, "weights": weights, "mode": cfg.mode, "seed": cfg.seed},
             )
             _write(ds, tmp)
-        return {"groups": docs, "group_sizes": sizes, "keep_rates": rates}
+        return {"groups": docs, "group_sizes": sizes, "sample_weights": weights}
 
     return run_step("balance", work_dir, fp, build)
 

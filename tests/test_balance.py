@@ -26,3 +26,13 @@ def test_keep_decision_is_stable_and_matches_rate():
     assert first == [keep_document(i, 0.25, seed=3) for i in ids]
     assert abs(sum(first) / len(ids) - 0.25) < 0.02
     assert all(keep_document(i, 1.0, seed=3) for i in ids[:100])
+
+
+def test_weights_are_target_share_over_current_share():
+    from crawl2chat.stages.balance import group_weights
+
+    docs = {"en": 800, "de": 200}
+    weights = group_weights(docs, {"en": 800.0, "de": 200.0}, alpha=0.7, beta=0.3)
+    # Weighted by their current share, the weights reproduce the target mixture (sums to 1).
+    assert abs(weights["en"] * 0.8 + weights["de"] * 0.2 - 1.0) < 1e-9
+    assert weights["de"] > 1.0 > weights["en"]
