@@ -42,8 +42,8 @@ def data(
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
     """Web pages -> clean, language-tagged, deduplicated Parquet shards."""
-    configure_prefect_env()
     cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out}, set_)
+    configure_prefect_env(cfg.home)
     from crawl2chat.flows.data import data_flow
     from crawl2chat.stages.data_pipeline import NothingUsableError
 

@@ -44,7 +44,7 @@ def run_data_pipeline(config: Config) -> dict:
     return manifest
 
 
-@flow(name="data", log_prints=True)
+@flow(name="data")
 def data_flow(config: Config = Config()) -> dict:
     """Web pages to clean, language-tagged, deduplicated Parquet shards."""
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)

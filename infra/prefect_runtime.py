@@ -9,10 +9,21 @@ own default wait, so the wait is raised here before Prefect is imported. With
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
-def configure_prefect_env() -> None:
+def configure_prefect_env(home: str | None = None) -> None:
+    """Set Prefect's environment before it is imported.
+
+    With no API server configured, the temporary server keeps its SQLite database
+    under the project's home folder, so concurrent jobs of different projects do
+    not contend for one database in ``~/.prefect``.
+    """
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if home and not os.environ.get("PREFECT_API_URL") and "PREFECT_HOME" not in os.environ:
+        prefect_home = Path(home).resolve() / "prefect"
+        prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
+        os.environ["PREFECT_HOME"] = str(prefect_home)
     # Flow-run logs go to the terminal through our own per-step lines; keep Prefect's terse.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "false")

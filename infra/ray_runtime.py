@@ -22,7 +22,7 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
     """Initialise Ray once per process and return a short description of it."""
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS") or None
-        kwargs: dict = {"ignore_reinit_error": True, "log_to_driver": False}
+        kwargs: dict = {"ignore_reinit_error": True, "log_to_driver": False, "logging_level": logging.WARNING}
         if address:
             kwargs["address"] = address
         else:
@@ -31,6 +31,8 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
+        # Each step prints one line of its own; Ray Data's per-dataset INFO lines go to its log files.
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
         if not address:
             # Ray's default hash shuffle starts aggregator actors for every groupby
             # (seconds each on a small machine); dedup runs several groupbys, so a

@@ -1,0 +1,119 @@
+"""Starting training stages under ``accelerate launch`` and streaming their output.
+
+The orchestration layer (a Prefect task, the CLI, a test) builds the command
+with :func:`accelerate_command` and runs it with :func:`run_streaming`, which
+hands every output line to a callback (a logger, a progress parser) as it
+arrives and keeps the whole log on disk; a failure raises with the tail of
+that log, so the error that killed a distributed job is in the exception.
+
+The accelerate configs in ``infra/accelerate/`` fix the distribution mode:
+``cpu.yaml`` (one CPU process), ``cpu_ddp.yaml`` (DDP over gloo on one CPU
+machine), ``gpu_ddp.yaml`` (DDP over NCCL) and ``fsdp.yaml`` (FSDP2). The
+process count given here overrides the one in the file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / "accelerate"
+
+
+class LaunchError(RuntimeError):
+    def __init__(self, cmd: list[str], returncode: int, tail: str, log_path: Path | None):
+        self.cmd, self.returncode, self.tail, self.log_path = cmd, returncode, tail, log_path
+        super().__init__(
+            f"command exited with status {returncode}: {' '.join(cmd)}\n"
+            f"log: {log_path}\n--- last lines ---\n{tail}")
+
+
+def accelerate_config_path(name: str) -> Path:
+    """``"cpu_ddp"`` or ``"cpu_ddp.yaml"`` -> the packaged config file."""
+    p = CONFIG_DIR / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not p.exists():
+        raise FileNotFoundError(f"no accelerate config {p}; have {sorted(x.name for x in CONFIG_DIR.glob('*.yaml'))}")
+    return p
+
+
+def accelerate_command(module: str, args: list[str], num_processes: int = 1,
+                       accelerate_config: str | None = None, cpu: bool = True) -> list[str]:
+    """``python -m accelerate.commands.launch ... -m MODULE ARGS`` for this interpreter.
+
+    Without an explicit ``accelerate_config`` the packaged one is chosen:
+    ``cpu``/``cpu_ddp`` on CPU, ``gpu_ddp`` on GPUs (``fsdp`` must be asked for).
+    ``accelerate_config`` may be a packaged name (``"fsdp"``) or a path."""
+    if accelerate_config is None:
+        name = ("cpu" if num_processes == 1 else "cpu_ddp") if cpu else "gpu_ddp"
+        config = accelerate_config_path(name)
+    elif Path(accelerate_config).exists():
+        config = Path(accelerate_config)
+    else:
+        config = accelerate_config_path(accelerate_config)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--num_processes", str(num_processes)]
+    if num_processes > 1 and "fsdp" not in config.name:
+        cmd.append("--multi_gpu")  # CPU too: torch.distributed with gloo, ACCELERATE_USE_CPU from the config
+        cmd += ["--main_process_port", str(_free_port())]
+    elif num_processes == 1 and cpu:
+        cmd.append("--cpu")
+    if cpu:
+        # Keep every rank on the CPU even where a GPU is visible (accelerate's
+        # multi-process launcher does not export this from the config).
+        cmd = ["env", "ACCELERATE_USE_CPU=true", *cmd, "--mixed_precision", "no"]
+    return cmd + ["-m", module, *args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
+                  on_line: Callable[[str], None] | None = None, tail_lines: int = 60, cwd: str | None = None) -> int:
+    """Run ``cmd``, passing each output line (stdout and stderr merged) to ``on_line``
+    and appending it to ``log_path``. Returns 0; raises :class:`LaunchError` with the
+    last ``tail_lines`` lines otherwise. ``env`` is added to this process's environment."""
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    tail: deque[str] = deque(maxlen=tail_lines)
+    log = None
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "a", encoding="utf-8")
+    try:
+        proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, errors="replace", start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                tail.append(line)
+                if log:
+                    log.write(line + "\n")
+                    log.flush()
+                if on_line:
+                    on_line(line)
+            rc = proc.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C, a cancelled task): take the whole process group down with us.
+            import signal
+
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            raise
+    finally:
+        if log:
+            log.close()
+    if rc != 0:
+        raise LaunchError(cmd, rc, "\n".join(tail), Path(log_path) if log_path else None)
+    return rc
