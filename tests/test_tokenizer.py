@@ -1,0 +1,122 @@
+"""Tokenizer training, Hugging Face loading, and packing into token files."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer
+
+from crawl2chat.stages.packing import is_validation, load_index, open_tokens, pack_shards, token_dtype
+from crawl2chat.stages.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+
+WORDS = ("the king queen night day sword crown river stone bright dark speak answer gentle "
+         "noble fool heart blood honour tomorrow love death war peace lord lady").split()
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "."
+                 for _ in range(rng.randint(2, 6))]
+        docs.append("\n".join(lines))
+    docs[0] += " Ünïcödé — 東京 🙂"  # bytes outside ASCII must round-trip
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    p = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    p.write_text("\n\n".join(make_docs(400)), encoding="utf-8")
+    return p
+
+
+@pytest.fixture(scope="module")
+def tok_dir(corpus, tmp_path_factory):
+    return train_tokenizer(corpus, tmp_path_factory.mktemp("tok"), vocab_size=400)
+
+
+def test_tokenizer_loads_with_auto_tokenizer(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    assert 256 + len(SPECIAL_TOKENS) < len(tok) <= 400  # bytes + specials + learnt merges
+    ids = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
+    assert ids == list(range(len(SPECIAL_TOKENS)))  # fixed ids, same in every run
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|pad|>"
+    assert tok.pad_token_id != tok.eos_token_id
+    text = "The noble lord — 東京 🙂 speaks."
+    assert tok.decode(tok(text)["input_ids"]) == text
+    # Merges were learnt: common words take fewer tokens than bytes.
+    assert len(tok("the king")["input_ids"]) < len("the king")
+
+
+def test_chat_template_saved_and_rendered(tok_dir):
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert cfg["chat_template"] == CHAT_TEMPLATE
+    tok = load_tokenizer(tok_dir)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert rendered == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+    # Role markers are single special tokens, never split into bytes.
+    assert tok.convert_tokens_to_ids("<|user|>") in ids and tok.convert_tokens_to_ids("<|end|>") in ids
+
+
+def test_pack_text_file_splits_at_the_end(corpus, tok_dir, tmp_path):
+    index = pack_shards(corpus, tok_dir, tmp_path / "packed", val_fraction=0.1)
+    assert index == load_index(tmp_path / "packed")
+    assert index["dtype"] == "uint16"
+    train, val = open_tokens(tmp_path / "packed", "train"), open_tokens(tmp_path / "packed", "val")
+    assert len(train) == index["train"]["tokens"] and len(val) == index["val"]["tokens"]
+    text = corpus.read_text(encoding="utf-8")
+    assert index["train"]["bytes"] + index["val"]["bytes"] == len(text.encode("utf-8"))
+    assert 0.08 < index["val"]["bytes"] / len(text.encode()) < 0.12
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    assert train[-1] == eos and val[-1] == eos
+    # Validation is the tail of the file, starting at a line break.
+    val_text = tok.decode(val[:-1].tolist(), skip_special_tokens=False)
+    assert text.endswith(val_text) and text[len(text) - len(val_text) - 1] == "\n"
+
+
+def test_token_dtype_follows_vocabulary():
+    assert token_dtype(512) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32
+
+
+@pytest.mark.slow
+def test_pack_parquet_shards_with_ray(tok_dir, tmp_path):
+    """A data-stage folder (DIR/shards/*.parquet) is tokenised by the Ray Data job;
+    dropped documents are left out and the split follows the id hash."""
+    docs = make_docs(300, seed=1)
+    shards = tmp_path / "run" / "shards"
+    shards.mkdir(parents=True)
+    ids = [f"doc-{i:04d}" for i in range(len(docs))]
+    drop = [("gopher_quality:too_few_words" if i % 7 == 0 else None) for i in range(len(docs))]
+    for s in range(3):
+        sl = slice(s, None, 3)
+        pq.write_table(pa.table({"id": ids[sl], "text": docs[sl], "drop_reason": drop[sl]}),
+                       shards / f"part-{s:05d}.parquet")
+
+    index = pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed", val_fraction=0.2, num_cpus=2)
+    kept = [i for i in range(len(docs)) if drop[i] is None]
+    val_ids = [i for i in kept if is_validation(ids[i], 0.2)]
+    assert index["val"]["documents"] == len(val_ids)
+    assert index["train"]["documents"] == len(kept) - len(val_ids)
+    assert index["val"]["bytes"] == sum(len(docs[i].encode()) for i in val_ids)
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    val = open_tokens(tmp_path / "packed", "val")
+    assert int((np.asarray(val) == eos).sum()) == len(val_ids)  # one separator per document
+    expected = sum(len(tok.encode(docs[i], add_special_tokens=False).ids) + 1 for i in val_ids)
+    assert len(val) == expected
+
+    # Re-packing is byte-identical: the split and order do not depend on scheduling.
+    pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed2", val_fraction=0.2, num_cpus=2)
+    for split in ("train", "val"):
+        assert (tmp_path / "packed" / f"{split}.bin").read_bytes() == (tmp_path / "packed2" / f"{split}.bin").read_bytes()
