@@ -72,13 +72,49 @@ def _mlflow_hint(cfg) -> str:
 
 
 @app.command()
+def pretrain(
+    data: str = typer.Option(..., "--data", help="A data-stage output folder (DIR/shards) or a plain text file."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run folder; re-running on it resumes."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: tiny, cpu-small, cpu, 124m, 1b."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps."),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes", help="Processes (DDP when > 1)."),
+    config: Optional[Path] = CONFIG_OPT,
+    set_: Optional[list[str]] = SET_OPT,
+) -> None:
+    """Tokenizer and base model, trained from scratch under `accelerate launch`."""
+    cfg = _load(config, {"pretrain.out": out, "pretrain.train.preset": preset,
+                         "pretrain.train.max_steps": max_steps, "pretrain.num_processes": num_processes}, set_)
+    configure_prefect_env(cfg.home)
+    from crawl2chat.flows.pipeline import pretrain_flow
+
+    summary = pretrain_flow(cfg, data)
+    typer.echo(f"\nbase model: {summary['model_dir']}\n  val_loss {summary['val_loss']:.4f}, "
+               f"val_bpb {summary['val_bpb']:.4f}, {summary['steps']} steps\n  MLflow: {summary.get('model_uri')}")
+
+
+@app.command()
 def run(
     config: Optional[Path] = CONFIG_OPT,
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Output folder of the data stage."),
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
     """The main job, end to end on the embedded default (local Ray, Prefect, MLflow)."""
-    data(input=None, seed_url=None, out=out, config=config, set_=set_)
+    cfg = _load(config, {}, set_)
+    configure_prefect_env(cfg.home)
+    from crawl2chat.flows.pipeline import pipeline_flow
+    from crawl2chat.stages.data_pipeline import NothingUsableError
+
+    try:
+        result = pipeline_flow(cfg)
+    except NothingUsableError as e:
+        _fail(str(e))
+    manifest, base = result["manifest"], result["pretrain"]
+    data_out = Path(result["data"])
+    typer.echo(
+        f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.\n"
+        f"  shards:     {data_out / 'shards'}  (manifest.json, review.md, rejected/ beside them)\n"
+        f"  base model: {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})\n"
+        f"  MLflow:     {_mlflow_hint(cfg)}  parent run {result['run_id']}"
+    )
 
 
 def main() -> None:  # pragma: no cover

@@ -19,6 +19,7 @@ from crawl2chat.stages.crawl import CrawlConfig
 from crawl2chat.stages.dedup import DedupConfig
 from crawl2chat.stages.extract import ExtractConfig
 from crawl2chat.stages.langid import LangIdConfig
+from crawl2chat.stages.pretrain import PretrainConfig
 from crawl2chat.stages.quality import QualityConfig
 from crawl2chat.stages.review import ReviewConfig
 
@@ -56,6 +57,27 @@ class DataConfig(BaseModel):
     review: ReviewConfig = Field(default_factory=ReviewConfig)
 
 
+def _demo_pretrain() -> PretrainConfig:
+    # Sized for the embedded default: a small corpus and a 2-core laptop, minutes not hours.
+    return PretrainConfig(preset="tiny", vocab_size=2048, seq_len=128, micro_batch_size=8, max_steps=200,
+                          warmup_steps=20, eval_every=100, eval_batches=10, checkpoint_every=100, val_fraction=0.1)
+
+
+class PretrainStage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    out: str = Field("runs/pretrain", description="Run folder: checkpoints, model/, metrics.json.")
+    num_processes: int = Field(1, ge=1, description="Processes for `accelerate launch` (DDP when > 1).")
+    accelerate_config: str | None = Field(
+        None,
+        description="Accelerate config: a name under infra/accelerate (cpu, cpu_ddp, gpu_ddp, fsdp) or a path.",
+    )
+    registered_name: str | None = Field(
+        "crawl2chat-base", description="MLflow registered model name for the base model (None: don't register)."
+    )
+    train: PretrainConfig = Field(default_factory=_demo_pretrain, description="Training settings.")
+
+
 class TrackingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -74,6 +96,7 @@ class Config(BaseModel):
         description="Project folder for embedded services: the MLflow SQLite store and artifacts.",
     )
     data: DataConfig = Field(default_factory=DataConfig)
+    pretrain: PretrainStage = Field(default_factory=PretrainStage)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

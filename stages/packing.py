@@ -144,9 +144,8 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
     import pyarrow.parquet as pq
     import ray
 
-    from crawl2chat.infra.ray_runtime import ensure_ray
-
-    ensure_ray(num_cpus)  # local instance, or the cluster named by RAY_ADDRESS
+    # The caller connects Ray (a local instance, or the cluster named by RAY_ADDRESS);
+    # without one, Ray Data starts a local instance itself.
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # same files in, same bytes out
     ctx.enable_progress_bars = False

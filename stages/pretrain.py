@@ -207,15 +207,9 @@ def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
     os.replace(tmp, model_dir)
 
 
-def launch(data: str, out: str, preset: str | None = None, max_steps: int | None = None,
-           num_processes: int = 1, config: str | None = None, overrides: list[str] | None = None,
-           accelerate_config: str | None = None, cpu: bool | None = None, on_line=None,
-           env: dict[str, str] | None = None) -> int:
-    """Host side of ``crawl2chat pretrain``: prepare tokenizer and packed data in this
-    process (Ray lives here, not inside the distributed job), then start the training
-    script under ``accelerate launch`` and stream its output to ``OUT/train.log``."""
-    from crawl2chat.infra.launch import accelerate_command, run_streaming
-
+def script_args(data: str, out: str, preset: str | None = None, max_steps: int | None = None,
+                config: str | None = None, overrides: list[str] | None = None) -> list[str]:
+    """The command line of this script for the given options (what a launcher passes)."""
     argv = ["--data", str(data), "--out", str(out)]
     if config:
         argv += ["--config", str(config)]
@@ -225,13 +219,7 @@ def launch(data: str, out: str, preset: str | None = None, max_steps: int | None
         argv += ["--max-steps", str(max_steps)]
     for o in overrides or []:
         argv += ["--set", o]
-    cfg = resolve_config(parse_args(argv))
-    Path(out).mkdir(parents=True, exist_ok=True)
-    prepare_data(cfg, data, out)
-    if cpu is None:
-        cpu = not torch.cuda.is_available()
-    cmd = accelerate_command(MODULE, argv, num_processes=num_processes, accelerate_config=accelerate_config, cpu=cpu)
-    return run_streaming(cmd, env=env, log_path=Path(out) / "train.log", on_line=on_line)
+    return argv
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
-from crawl2chat.stages.pretrain import MODULE, PretrainConfig, TokenWindows, causal_lm_loss, launch, prepare_data
+from crawl2chat.stages.pretrain import MODULE, PretrainConfig, TokenWindows, causal_lm_loss, prepare_data
+from crawl2chat.tasks.train import run_pretraining as launch
 from crawl2chat.stages.trainer import (TrainConfig, Trainer, build_optimizer, build_scheduler, load_config,
                                        make_accelerator, parse_overrides, read_metrics)
 
