@@ -20,6 +20,11 @@ def configure_prefect_env(home: str | None = None) -> None:
     not contend for one database in ``~/.prefect``.
     """
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # The pipeline talks to its own services only: no usage reports to outside hosts.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if home and not os.environ.get("PREFECT_API_URL") and "PREFECT_HOME" not in os.environ:
         prefect_home = Path(home).resolve() / "prefect"
         prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level

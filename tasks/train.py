@@ -118,13 +118,22 @@ def _progress_printer(stage: str, follower: MetricsFollower | None, every: int =
 def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | None) -> str | None:
     """Log the Hugging Face folder as run artifacts and register it; returns the model URI."""
     mlflow.log_artifacts(str(model_dir), artifact_path="model")
-    uri = f"runs:/{mlflow.active_run().info.run_id}/model"
-    if registered_name:
-        version = mlflow.register_model(uri, registered_name)
-        if alias:
-            mlflow.MlflowClient().set_registered_model_alias(registered_name, alias, version.version)
-        return f"models:/{registered_name}/{version.version}"
-    return uri
+    run_id = mlflow.active_run().info.run_id
+    uri = f"runs:/{run_id}/model"
+    if not registered_name:
+        return uri
+    # The folder is a plain Hugging Face model (safetensors), not an MLflow flavour,
+    # so the version is created from its artifact location directly.
+    client = mlflow.MlflowClient()
+    try:
+        client.get_registered_model(registered_name)
+    except mlflow.exceptions.MlflowException:
+        client.create_registered_model(registered_name, description="crawl2chat model (Hugging Face format)")
+    version = client.create_model_version(registered_name, source=mlflow.get_artifact_uri("model"), run_id=run_id,
+                                          tags={"format": "huggingface"})
+    if alias:
+        client.set_registered_model_alias(registered_name, alias, version.version)
+    return f"models:/{registered_name}/{version.version}"
 
 
 @task(name="pretrain", retries=0, cache_policy=NO_CACHE)
@@ -150,7 +159,7 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
         mlflow.log_artifact(str(out_path / "metrics.json"))
         mlflow.log_artifacts(str(Path(summary["tokenizer"])), artifact_path="tokenizer")
         mlflow.set_tags({"crawl2chat.tokenizer": summary["tokenizer"], "crawl2chat.model_dir": summary["model_dir"]})
-        summary["model_uri"] = log_model_folder(Path(summary["model_dir"]), registered_name, "latest")
+        summary["model_uri"] = log_model_folder(Path(summary["model_dir"]), registered_name, "current")
         summary["run_id"] = run.info.run_id
     print(f"[pretrain] val_loss {summary.get('val_loss'):.3f}  val_bpb {summary.get('val_bpb'):.3f}  "
           f"{summary.get('tokens_per_second', 0):.0f} tokens/s -> {summary['model_dir']}", flush=True)

@@ -1,0 +1,53 @@
+"""The README's first command, `crawl2chat run`, end to end on the embedded default:
+the local pydoc site crawled on 127.0.0.1, the data stage on local Ray, the
+tokenizer and base model under a real `accelerate launch`, all in one Prefect
+flow run with MLflow runs on SQLite."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+
+@pytest.mark.slow
+def test_run_end_to_end_on_the_embedded_default(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+    sets = [
+        "data.crawl.max_pages=80",
+        "pretrain.train.max_steps=30",
+        "pretrain.train.eval_every=15",
+        "pretrain.train.checkpoint_every=15",
+        "pretrain.train.vocab_size=512",
+    ]
+    cmd = [sys.executable, "-m", "crawl2chat.cli", "run"] + [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for stage in ("[data] crawl", "[data] extract", "[data] dedup", "[data] write"):
+        assert stage in out
+    assert "base model:" in out
+
+    home = tmp_path / ".crawl2chat"
+    shards = list((tmp_path / "runs" / "data" / "shards").glob("shard-*.parquet"))
+    assert shards
+    model_dir = tmp_path / "runs" / "pretrain" / "model"
+    assert (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
+
+    mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["crawl2chat"], output_format="list")
+    parent = [r for r in runs if r.data.tags.get("crawl2chat.pipeline") == "pipeline"]
+    assert len(parent) == 1
+    children = {r.data.tags.get("crawl2chat.stage"): r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
+    assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain"} <= set(children)
+    pre = children["pretrain"]
+    assert pre.data.tags["crawl2chat.data_digest"].startswith("sha256:")
+    history = mlflow.MlflowClient().get_metric_history(pre.info.run_id, "loss")
+    assert len(history) >= 30
+    versions = mlflow.MlflowClient().search_model_versions("name='crawl2chat-base'")
+    assert versions
