@@ -84,6 +84,20 @@ def _pack_text_file(path: Path, tokenizer_file: Path, val_fraction: float) -> di
     return out
 
 
+def _hold_out_tail(out: Path, dtype: np.dtype, counts: dict, fraction: float) -> None:
+    """A corpus too small for the hash split to pick any validation document still
+    gets a validation set: the last ``fraction`` of the training tokens. Its byte
+    count is prorated by tokens, so bits per byte is an estimate on such corpora."""
+    train = np.fromfile(out / "train.bin.tmp", dtype=dtype)
+    cut = int(len(train) * (1 - fraction))
+    train[cut:].tofile(out / "val.bin.tmp")
+    train[:cut].tofile(out / "train.bin.tmp")
+    moved_bytes = int(counts["train"]["bytes"] * (len(train) - cut) / max(1, len(train)))
+    counts["val"] = {"tokens": len(train) - cut, "documents": 0, "bytes": moved_bytes, "held_out_tail": True}
+    counts["train"]["tokens"] = cut
+    counts["train"]["bytes"] -= moved_bytes
+
+
 def pack_shards(
     source: str | os.PathLike,
     tokenizer_dir: str | os.PathLike,
@@ -122,6 +136,8 @@ def pack_shards(
     finally:
         for f in files.values():
             f.close()
+    if counts["val"]["tokens"] == 0 and counts["train"]["documents"] > 1:
+        _hold_out_tail(out, dtype, counts, max(val_fraction, 0.05))
     for s in files:
         os.replace(out / f"{s}.bin.tmp", out / f"{s}.bin")
     if counts["train"]["tokens"] == 0 or counts["val"]["tokens"] == 0:

@@ -120,3 +120,21 @@ def test_pack_parquet_shards_with_ray(tok_dir, tmp_path):
     pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed2", val_fraction=0.2, num_cpus=2)
     for split in ("train", "val"):
         assert (tmp_path / "packed" / f"{split}.bin").read_bytes() == (tmp_path / "packed2" / f"{split}.bin").read_bytes()
+
+
+def test_tiny_corpus_still_gets_a_validation_split(tok_dir, tmp_path):
+    """Too few documents for the hash split to pick one: the tail of the training
+    tokens is held out instead, so training can still report validation loss."""
+    docs = make_docs(4, seed=2)
+    ids = [f"doc-{i}" for i in range(len(docs))]
+    assert not any(is_validation(i, 0.01) for i in ids)
+    shards = tmp_path / "run" / "shards"
+    shards.mkdir(parents=True)
+    pq.write_table(pa.table({"id": ids, "text": docs}), shards / "part-00000.parquet")
+
+    index = pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed", val_fraction=0.01, num_cpus=2)
+    assert index["val"]["held_out_tail"] is True
+    assert index["val"]["tokens"] > 0 and index["train"]["tokens"] > 0
+    total = len(open_tokens(tmp_path / "packed", "train")) + len(open_tokens(tmp_path / "packed", "val"))
+    assert total == index["train"]["tokens"] + index["val"]["tokens"]
+    assert index["val"]["bytes"] + index["train"]["bytes"] == sum(len(d.encode()) for d in docs)
