@@ -37,7 +37,8 @@ def pipeline_flow(config: Config = Config()) -> dict:
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
-        lineage = {"crawl2chat.data_digest": manifest["content_digest"], "crawl2chat.data_path": data_out}
+        lineage = {"crawl2chat.data_digest": manifest["content_digest"], "crawl2chat.data_path": data_out,
+                   "crawl2chat.data_run_id": manifest["mlflow_run_id"]}
         base = _pretrain(config, data_out, lineage)
         return {"data": data_out, "manifest": manifest, "pretrain": base, "run_id": run.info.run_id}
 

@@ -152,7 +152,7 @@ def balance_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
 @_step_task("write")
 def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, config: dict) -> dict:
     ensure_ray()
-    with stage_run("write", {"shard_bytes": shard_bytes, "out": out_dir}):
+    with stage_run("write", {"shard_bytes": shard_bytes, "out": out_dir}) as run:
         try:
             manifest = steps.write_dataset(list(results), out_dir, shard_bytes, config)
         finally:
@@ -164,6 +164,7 @@ def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, co
              "shards": len(manifest["shards"])}
         )
         mlflow.set_tag("crawl2chat.data_digest", manifest["content_digest"])
+        manifest["mlflow_run_id"] = run.info.run_id  # returned for lineage, not written to disk
     print(f"[data] write    {manifest['documents_kept']:>7} documents in {len(manifest['shards'])} shards "
           f"-> {out_dir}/shards", flush=True)
     return manifest

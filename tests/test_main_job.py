@@ -47,6 +47,7 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain"} <= set(children)
     pre = children["pretrain"]
     assert pre.data.tags["crawl2chat.data_digest"].startswith("sha256:")
+    assert pre.data.tags["crawl2chat.data_run_id"] == children["write"].info.run_id
     history = mlflow.MlflowClient().get_metric_history(pre.info.run_id, "loss")
     assert len(history) >= 30
     versions = mlflow.MlflowClient().search_model_versions("name='crawl2chat-base'")
