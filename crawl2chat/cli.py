@@ -117,6 +117,24 @@ def run(
     )
 
 
+@app.command("serve-flows")
+def serve_flows(
+    refresh_cron: str = typer.Option("0 3 * * *", "--refresh-cron", help="Cron schedule of the data refresh (UTC)."),
+) -> None:
+    """Serve the pipeline, data-refresh and pretrain flows to a Prefect server (set PREFECT_API_URL)."""
+    configure_prefect_env()
+    from prefect import serve
+
+    from crawl2chat.flows.data import data_flow
+    from crawl2chat.flows.pipeline import pipeline_flow, pretrain_flow
+
+    serve(
+        pipeline_flow.to_deployment(name="pipeline"),
+        data_flow.to_deployment(name="data-refresh", cron=refresh_cron),
+        pretrain_flow.to_deployment(name="pretrain"),
+    )
+
+
 def main() -> None:  # pragma: no cover
     sys.exit(app())
 
