@@ -11,7 +11,7 @@ import json
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlflow
 from prefect import task
@@ -94,59 +94,52 @@ def _step_task(name: str):
     return decorate
 
 
-@_step_task("extract")
-def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
+def _recorded_step(name: str, params: dict, run: Callable[[], StepResult],
+                   extra_logging: Callable[[StepResult], None] | None = None) -> StepResult:
+    """Run one Ray Data step inside its MLflow child run and print its line."""
     ensure_ray()
-    with stage_run("extract", {"extract": extract_cfg.model_dump(), "input_files": len(files)}):
-        result = steps.extract_step(list(files), work_dir, extract_cfg)
+    with stage_run(name, params):
+        result = run()
         log_step(result)
-        bad = [f for f in result.extra.get("files", []) if not f["ok"]]
-        mlflow.log_metric("unreadable_files", len(bad))
+        if extra_logging:
+            extra_logging(result)
     _print_step(result)
     return result
+
+
+@_step_task("extract")
+def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
+    def log_files(result: StepResult) -> None:
+        mlflow.log_metric("unreadable_files", len([f for f in result.extra.get("files", []) if not f["ok"]]))
+
+    return _recorded_step("extract", {"extract": extract_cfg.model_dump(), "input_files": len(files)},
+                          lambda: steps.extract_step(list(files), work_dir, extract_cfg), log_files)
 
 
 @_step_task("langid")
 def langid_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    ensure_ray()
-    with stage_run("langid", {"langid": cfg.model_dump()}):
-        result = steps.langid_step(upstream, work_dir, cfg)
-        log_step(result)
-    _print_step(result)
-    return result
+    return _recorded_step("langid", {"langid": cfg.model_dump()}, lambda: steps.langid_step(upstream, work_dir, cfg))
 
 
 @_step_task("quality")
 def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    ensure_ray()
-    with stage_run("quality", {"quality": cfg.model_dump()}):
-        result = steps.quality_step(upstream, work_dir, cfg)
-        log_step(result)
-    _print_step(result)
-    return result
+    return _recorded_step("quality", {"quality": cfg.model_dump()}, lambda: steps.quality_step(upstream, work_dir, cfg))
 
 
 @_step_task("dedup")
 def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str]) -> StepResult:
-    ensure_ray()
-    with stage_run("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index)}):
-        result = steps.dedup_step(upstream, work_dir, cfg, previous_index)
-        log_step(result)
+    def log_stats(result: StepResult) -> None:
         stats = result.extra.get("dedup", {})
         mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
-    _print_step(result)
-    return result
+
+    return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index)},
+                          lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index), log_stats)
 
 
 @_step_task("balance")
 def balance_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    ensure_ray()
-    with stage_run("balance", {"balance": cfg.model_dump()}):
-        result = steps.balance_step(upstream, work_dir, cfg)
-        log_step(result)
-        mlflow.log_dict(result.extra, "balance.json")
-    _print_step(result)
-    return result
+    return _recorded_step("balance", {"balance": cfg.model_dump()}, lambda: steps.balance_step(upstream, work_dir, cfg),
+                          lambda result: mlflow.log_dict(result.extra, "balance.json"))
 
 
 @_step_task("write")
