@@ -117,6 +117,23 @@ def run(
     )
 
 
+@app.command()
+def lineage(
+    ref: str = typer.Argument(..., help="A run id, models:/NAME/VERSION, models:/NAME@ALIAS, or a model folder."),
+    config: Optional[Path] = CONFIG_OPT,
+) -> None:
+    """Print the chain data -> tokenizer/base model -> SFT -> reward model -> policy around a model or run."""
+    cfg = _load(config, {}, None)
+    from crawl2chat.infra.lineage import format_lineage
+    from crawl2chat.infra.tracking import setup_tracking
+
+    setup_tracking(cfg.home, cfg.tracking.experiment, cfg.tracking.uri)
+    try:
+        typer.echo(format_lineage(ref))
+    except Exception as e:  # noqa: BLE001 - a bad reference gets one plain line, not a traceback
+        _fail(f"cannot resolve {ref!r}: {e}")
+
+
 @app.command("serve-flows")
 def serve_flows(
     refresh_cron: str = typer.Option("0 3 * * *", "--refresh-cron", help="Cron schedule of the data refresh (UTC)."),

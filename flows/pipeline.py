@@ -13,6 +13,7 @@ from prefect import flow
 
 from crawl2chat.flows.data import run_data_pipeline
 from crawl2chat.infra.config import Config
+from crawl2chat.infra.lineage import input_tags
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks.train import pretrain_task
 
@@ -38,7 +39,7 @@ def pipeline_flow(config: Config = Config()) -> dict:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
         lineage = {"crawl2chat.data_digest": manifest["content_digest"], "crawl2chat.data_path": data_out,
-                   "crawl2chat.data_run_id": manifest["mlflow_run_id"]}
+                   **input_tags(data=manifest["mlflow_run_id"])}
         base = _pretrain(config, data_out, lineage)
         return {"data": data_out, "manifest": manifest, "pretrain": base, "run_id": run.info.run_id}
 

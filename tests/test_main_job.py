@@ -47,7 +47,9 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain"} <= set(children)
     pre = children["pretrain"]
     assert pre.data.tags["crawl2chat.data_digest"].startswith("sha256:")
-    assert pre.data.tags["crawl2chat.data_run_id"] == children["write"].info.run_id
+    assert pre.data.tags["crawl2chat.input.data"] == children["write"].info.run_id
+    model_dir_tag = pre.data.tags["crawl2chat.model_dir"]
+    assert model_dir_tag == str(model_dir.resolve())
     history = mlflow.MlflowClient().get_metric_history(pre.info.run_id, "loss")
     assert len(history) >= 30
     versions = mlflow.MlflowClient().search_model_versions("name='crawl2chat-base'")

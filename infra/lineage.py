@@ -1,0 +1,92 @@
+"""Walk the lineage of models and data through MLflow run tags.
+
+Every stage run tags the runs whose outputs it consumed as
+``crawl2chat.input.<role> = <run id>`` (role: data, base, sft, reward, policy),
+so the chain data version -> tokenizer + base model -> SFT -> reward model ->
+policy can be followed upstream (read a run's input tags) and downstream (search
+for runs naming it as an input).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Run
+
+INPUT_PREFIX = "crawl2chat.input."
+ROLES = ("data", "base", "sft", "reward", "policy")
+
+
+def input_tags(**runs: str | None) -> dict[str, str]:
+    """``input_tags(data=run_id)`` -> the tags a stage run carries for its inputs."""
+    return {f"{INPUT_PREFIX}{role}": run_id for role, run_id in runs.items() if run_id}
+
+
+def resolve_run(ref: str) -> Run:
+    """A run from a run id, a ``models:/name/version`` or ``models:/name@alias`` URI, or a model folder."""
+    client = mlflow.MlflowClient()
+    if ref.startswith("models:/"):
+        name, _, rest = ref[len("models:/"):].partition("/")
+        if "@" in name:
+            name, alias = name.split("@", 1)
+            version = client.get_model_version_by_alias(name, alias)
+        else:
+            version = client.get_model_version(name, rest)
+        return client.get_run(version.run_id)
+    if Path(ref).exists():
+        model_dir = str(Path(ref).resolve())
+        runs = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                  filter_string=f"tags.\"crawl2chat.model_dir\" = '{model_dir}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+        if not runs:
+            raise LookupError(f"no MLflow run produced the model folder {model_dir}")
+        return runs[0]
+    return client.get_run(ref)
+
+
+def upstream(run: Run) -> list[tuple[str, Run]]:
+    """(role, run) of every input of ``run``, nearest first, recursively."""
+    client = mlflow.MlflowClient()
+    chain, seen, frontier = [], {run.info.run_id}, [run]
+    while frontier:
+        current = frontier.pop(0)
+        for key, value in sorted(current.data.tags.items()):
+            if key.startswith(INPUT_PREFIX) and value not in seen:
+                seen.add(value)
+                parent = client.get_run(value)
+                chain.append((key[len(INPUT_PREFIX):], parent))
+                frontier.append(parent)
+    return chain
+
+
+def downstream(run: Run) -> list[tuple[str, Run]]:
+    """(role under which it was consumed, run) of every run built on ``run``, recursively."""
+    chain, seen, frontier = [], {run.info.run_id}, [run.info.run_id]
+    while frontier:
+        current = frontier.pop(0)
+        for role in ROLES:
+            found = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                       filter_string=f"tags.\"{INPUT_PREFIX}{role}\" = '{current}'")
+            for child in found:
+                if child.info.run_id not in seen:
+                    seen.add(child.info.run_id)
+                    chain.append((role, child))
+                    frontier.append(child.info.run_id)
+    return chain
+
+
+def describe(run: Run) -> str:
+    tags = run.data.tags
+    stage = tags.get("crawl2chat.stage", run.info.run_name)
+    detail = tags.get("crawl2chat.model_dir") or tags.get("crawl2chat.data_digest") or ""
+    return f"{stage:<9} run {run.info.run_id}  {detail}".rstrip()
+
+
+def format_lineage(ref: str) -> str:
+    run = resolve_run(ref)
+    lines = ["upstream (inputs, nearest first):"]
+    lines += [f"  <- {role:<7} {describe(r)}" for role, r in upstream(run)] or ["  (none)"]
+    lines += [f"this:           {describe(run)}", "downstream (built on it):"]
+    lines += [f"  -> as {role:<6} {describe(r)}" for role, r in downstream(run)] or ["  (none)"]
+    return "\n".join(lines)

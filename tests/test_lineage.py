@@ -1,0 +1,37 @@
+"""Lineage walks MLflow input tags both ways, on a real SQLite store."""
+
+from __future__ import annotations
+
+import mlflow
+
+from crawl2chat.infra.lineage import format_lineage, input_tags, resolve_run
+from crawl2chat.infra.tracking import setup_tracking
+
+
+def test_chain_is_walked_upstream_and_downstream(tmp_path):
+    setup_tracking(tmp_path, "lineage-test")
+    ids = {}
+
+    def stage(name, model_dir=None, **inputs):
+        tags = {"crawl2chat.stage": name, **input_tags(**inputs)}
+        if model_dir:
+            (tmp_path / model_dir).mkdir()
+            tags["crawl2chat.model_dir"] = str((tmp_path / model_dir).resolve())
+        with mlflow.start_run(run_name=name, tags=tags) as run:
+            ids[name] = run.info.run_id
+
+    stage("write")
+    stage("pretrain", "base", data=ids["write"])
+    stage("sft", "sft", base=ids["pretrain"])
+    stage("reward", "rm", base=ids["pretrain"])
+    stage("ppo", "policy", sft=ids["sft"], reward=ids["reward"])
+
+    text = format_lineage(ids["sft"])
+    up, _, down = text.partition("this:")
+    assert ids["pretrain"] in up and ids["write"] in up
+    assert ids["ppo"] in down and ids["reward"] not in down
+    # A model folder resolves to the run that wrote it.
+    assert resolve_run(str(tmp_path / "policy")).info.run_id == ids["ppo"]
+    policy_up = format_lineage(ids["ppo"]).partition("this:")[0]
+    for name in ("sft", "reward", "pretrain", "write"):
+        assert ids[name] in policy_up
