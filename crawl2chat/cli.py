@@ -92,6 +92,78 @@ def pretrain(
                f"val_bpb {summary['val_bpb']:.4f}, {summary['steps']} steps\n  MLflow: {summary.get('model_uri')}")
 
 
+def _run_stage_flow(flow_name: str, config: Optional[Path], overrides: dict, sets: Optional[list[str]], **inputs) -> dict:
+    cfg = _load(config, overrides, sets)
+    configure_prefect_env(cfg.home)
+    from crawl2chat.flows import pipeline
+
+    summary = getattr(pipeline, f"{flow_name}_flow")(cfg, **inputs)
+    typer.echo(f"\n{flow_name} model: {summary['model_dir']}\n  MLflow: {summary.get('model_uri')} (run {summary['run_id']})")
+    return summary
+
+
+@app.command()
+def sft(
+    base: str = typer.Option(..., "--base", help="Base model folder (Hugging Face format)."),
+    data: str = typer.Option(..., "--data", help="Chat data: JSONL or Parquet (messages | prompt+response | instruction+input+output)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run folder; re-running on it resumes."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
+    config: Optional[Path] = CONFIG_OPT,
+    set_: Optional[list[str]] = SET_OPT,
+) -> None:
+    """Supervised fine-tuning: loss on assistant tokens only, packed sequences."""
+    _run_stage_flow("sft", config, {"sft.out": out, "sft.train.max_steps": max_steps,
+                                    "sft.num_processes": num_processes}, set_, base=base, data=data)
+
+
+@app.command()
+def reward(
+    base: str = typer.Option(..., "--base", help="Base model folder."),
+    data: str = typer.Option(..., "--data", help="Preference pairs: prompt+chosen+rejected[+margin], or HH transcripts."),
+    out: Optional[str] = typer.Option(None, "--out", "-o"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
+    config: Optional[Path] = CONFIG_OPT,
+    set_: Optional[list[str]] = SET_OPT,
+) -> None:
+    """Reward model: scalar head, pairwise loss, held-out accuracy."""
+    _run_stage_flow("reward", config, {"reward.out": out, "reward.train.max_steps": max_steps,
+                                       "reward.num_processes": num_processes}, set_, base=base, data=data)
+
+
+@app.command()
+def ppo(
+    policy: str = typer.Option(..., "--policy", help="SFT model folder (actor and frozen reference)."),
+    reward_model: str = typer.Option(..., "--reward", help="Reward model folder (frozen scorer, critic init)."),
+    prompts: str = typer.Option(..., "--prompts", help="Prompts: JSONL/Parquet with `prompt` or `messages`."),
+    out: Optional[str] = typer.Option(None, "--out", "-o"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Rollouts."),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
+    config: Optional[Path] = CONFIG_OPT,
+    set_: Optional[list[str]] = SET_OPT,
+) -> None:
+    """PPO with a KL penalty to the reference, GAE, clipped policy and value losses."""
+    _run_stage_flow("ppo", config, {"ppo.out": out, "ppo.train.max_steps": max_steps,
+                                    "ppo.num_processes": num_processes}, set_,
+                    policy=policy, reward=reward_model, prompts=prompts)
+
+
+@app.command()
+def dpo(
+    policy: str = typer.Option(..., "--policy", help="SFT model folder (policy and frozen reference)."),
+    data: str = typer.Option(..., "--data", help="Preference pairs."),
+    out: Optional[str] = typer.Option(None, "--out", "-o"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
+    config: Optional[Path] = CONFIG_OPT,
+    set_: Optional[list[str]] = SET_OPT,
+) -> None:
+    """Direct Preference Optimisation against a frozen reference."""
+    _run_stage_flow("dpo", config, {"dpo.out": out, "dpo.train.max_steps": max_steps,
+                                    "dpo.num_processes": num_processes}, set_, policy=policy, data=data)
+
+
 @app.command()
 def run(
     config: Optional[Path] = CONFIG_OPT,
@@ -109,12 +181,20 @@ def run(
         _fail(str(e))
     manifest, base = result["manifest"], result["pretrain"]
     data_out = Path(result["data"])
-    typer.echo(
-        f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.\n"
-        f"  shards:     {data_out / 'shards'}  (manifest.json, review.md, rejected/ beside them)\n"
-        f"  base model: {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})\n"
-        f"  MLflow:     {_mlflow_hint(cfg)}  parent run {result['run_id']}"
-    )
+    lines = [
+        f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.",
+        f"  shards:       {data_out / 'shards'}  (manifest.json, review.md, rejected/ beside them)",
+        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})",
+        f"  SFT model:    {result['sft']['model_dir']}",
+        f"  reward model: {result['reward']['model_dir']}  (eval_accuracy {result['reward'].get('eval_accuracy', float('nan')):.3f})",
+        f"  PPO policy:   {result['ppo']['model_dir']}  (reward {result['ppo'].get('reward_mean_first', float('nan')):.3f}"
+        f" -> {result['ppo'].get('reward_mean_last', float('nan')):.3f})",
+    ]
+    if "dpo" in result:
+        lines.append(f"  DPO policy:   {result['dpo']['model_dir']}")
+    lines += [f"  MLflow:       {_mlflow_hint(cfg)}  parent run {result['run_id']}",
+              f"  lineage:      crawl2chat lineage {result['ppo']['model_dir']}"]
+    typer.echo("\n".join(lines))
 
 
 @app.command()
@@ -150,6 +230,11 @@ def serve_flows(
         data_flow.to_deployment(name="data-refresh", cron=refresh_cron),
         pretrain_flow.to_deployment(name="pretrain"),
     )
+
+
+from crawl2chat.serving_cli import register as _register_serving  # noqa: E402
+
+_register_serving(app)
 
 
 def main() -> None:  # pragma: no cover

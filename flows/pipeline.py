@@ -1,8 +1,9 @@
 """The full pipeline and the training flows.
 
-``pipeline``: crawl/ingest -> data stage -> tokenizer + pretraining, under one
-MLflow parent run with a child run per stage. ``pretrain``: a base model from
-existing shards or a text file.
+``pipeline``: crawl/ingest -> data stage -> tokenizer + pretraining -> SFT ->
+reward model -> PPO (and DPO when enabled), under one MLflow parent run with a
+child run per stage. ``pretrain``, ``sft``, ``reward``, ``ppo``, ``dpo``: one
+stage from existing inputs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from crawl2chat.flows.data import run_data_pipeline
 from crawl2chat.infra.config import Config
 from crawl2chat.infra.lineage import input_tags
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
-from crawl2chat.tasks.train import pretrain_task
+from crawl2chat.tasks.train import demo_sets_task, dpo_task, ppo_task, pretrain_task, reward_task, sft_task
 
 
 def _pretrain(config: Config, data: str, lineage: dict[str, str]) -> dict:
@@ -33,7 +34,7 @@ def _pretrain(config: Config, data: str, lineage: dict[str, str]) -> dict:
 
 @flow(name="pipeline")
 def pipeline_flow(config: Config = Config()) -> dict:
-    """Every stage end to end: web pages to shards to a base model."""
+    """Every stage end to end: web pages to shards to a base model to an aligned policy."""
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
@@ -41,7 +42,8 @@ def pipeline_flow(config: Config = Config()) -> dict:
         lineage = {"crawl2chat.data_digest": manifest["content_digest"], "crawl2chat.data_path": data_out,
                    **input_tags(data=manifest["mlflow_run_id"])}
         base = _pretrain(config, data_out, lineage)
-        return {"data": data_out, "manifest": manifest, "pretrain": base, "run_id": run.info.run_id}
+        post = run_post_training(config, base, data_out)
+        return {"data": data_out, "manifest": manifest, "pretrain": base, **post, "run_id": run.info.run_id}
 
 
 @flow(name="pretrain")
@@ -51,3 +53,76 @@ def pretrain_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     with pipeline_run("pretrain", {"pretrain": config.pretrain.model_dump(mode="json"), "data": data}):
         data = str(Path(data).resolve())
         return _pretrain(config, data, {"crawl2chat.data_path": data})
+
+
+def _stage_kw(stage) -> dict:
+    return {"num_processes": stage.num_processes, "accelerate_config": stage.accelerate_config,
+            "registered_name": stage.registered_name}
+
+
+def run_post_training(config: Config, base: dict, shards: str) -> dict:
+    """SFT, reward model, PPO (and DPO when enabled) on top of a base model."""
+    need_demo = not (config.sft.data and config.reward.data and config.ppo.prompts)
+    demo = (demo_sets_task(shards, str(Path(config.demo_sets.out).resolve()), config.demo_sets.examples,
+                           config.demo_sets.seed) if need_demo else {})
+    sft_data = config.sft.data or demo["sft"]
+    pref_data = config.reward.data or demo["preference"]
+    prompts = config.ppo.prompts or demo["prompts"]
+
+    base_tags = input_tags(base=base["run_id"])
+    sft = sft_task(base["model_dir"], sft_data, str(Path(config.sft.out).resolve()),
+                   config.sft.train.model_dump(mode="json"), lineage=base_tags, **_stage_kw(config.sft))
+    rm = reward_task(base["model_dir"], pref_data, str(Path(config.reward.out).resolve()),
+                     config.reward.train.model_dump(mode="json"), lineage=base_tags, **_stage_kw(config.reward))
+    policy = ppo_task(sft["model_dir"], rm["model_dir"], prompts, str(Path(config.ppo.out).resolve()),
+                      config.ppo.train.model_dump(mode="json"),
+                      lineage=input_tags(sft=sft["run_id"], reward=rm["run_id"]), **_stage_kw(config.ppo))
+    result = {"sft": sft, "reward": rm, "ppo": policy}
+    if config.dpo.enabled:
+        result["dpo"] = dpo_task(sft["model_dir"], config.dpo.data or pref_data, str(Path(config.dpo.out).resolve()),
+                                 config.dpo.train.model_dump(mode="json"), lineage=input_tags(sft=sft["run_id"]),
+                                 **_stage_kw(config.dpo))
+    return result
+
+
+def _single_stage(name: str, config: Config, params: dict, body) -> dict:
+    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+    with pipeline_run(name, params):
+        return body()
+
+
+@flow(name="sft")
+def sft_flow(config: Config = Config(), base: str = "runs/pretrain/model", data: str = "") -> dict:
+    """Supervised fine-tuning of a base model folder on chat data (JSONL or Parquet)."""
+    data = data or config.sft.data or ""
+    return _single_stage("sft", config, {"base": base, "data": data}, lambda: sft_task(
+        str(Path(base).resolve()), str(Path(data).resolve()), str(Path(config.sft.out).resolve()),
+        config.sft.train.model_dump(mode="json"), **_stage_kw(config.sft)))
+
+
+@flow(name="reward")
+def reward_flow(config: Config = Config(), base: str = "runs/pretrain/model", data: str = "") -> dict:
+    """A reward model from a base model folder and preference pairs."""
+    data = data or config.reward.data or ""
+    return _single_stage("reward", config, {"base": base, "data": data}, lambda: reward_task(
+        str(Path(base).resolve()), str(Path(data).resolve()), str(Path(config.reward.out).resolve()),
+        config.reward.train.model_dump(mode="json"), **_stage_kw(config.reward)))
+
+
+@flow(name="ppo")
+def ppo_flow(config: Config = Config(), policy: str = "runs/sft/model", reward: str = "runs/reward/model",
+             prompts: str = "") -> dict:
+    """PPO of an SFT policy against a reward model."""
+    prompts = prompts or config.ppo.prompts or ""
+    return _single_stage("ppo", config, {"policy": policy, "reward": reward, "prompts": prompts}, lambda: ppo_task(
+        str(Path(policy).resolve()), str(Path(reward).resolve()), str(Path(prompts).resolve()),
+        str(Path(config.ppo.out).resolve()), config.ppo.train.model_dump(mode="json"), **_stage_kw(config.ppo)))
+
+
+@flow(name="dpo")
+def dpo_flow(config: Config = Config(), policy: str = "runs/sft/model", data: str = "") -> dict:
+    """DPO of an SFT policy on preference pairs."""
+    data = data or config.dpo.data or ""
+    return _single_stage("dpo", config, {"policy": policy, "data": data}, lambda: dpo_task(
+        str(Path(policy).resolve()), str(Path(data).resolve()), str(Path(config.dpo.out).resolve()),
+        config.dpo.train.model_dump(mode="json"), **_stage_kw(config.dpo)))

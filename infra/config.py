@@ -19,7 +19,11 @@ from crawl2chat.stages.crawl import CrawlConfig
 from crawl2chat.stages.dedup import DedupConfig
 from crawl2chat.stages.extract import ExtractConfig
 from crawl2chat.stages.langid import LangIdConfig
+from crawl2chat.stages.dpo import DPOConfig
+from crawl2chat.stages.ppo import PPOConfig
 from crawl2chat.stages.pretrain import PretrainConfig
+from crawl2chat.stages.reward import RewardConfig
+from crawl2chat.stages.sft import SFTConfig
 from crawl2chat.stages.quality import QualityConfig
 from crawl2chat.stages.review import ReviewConfig
 
@@ -63,19 +67,70 @@ def _demo_pretrain() -> PretrainConfig:
                           warmup_steps=20, eval_every=100, eval_batches=10, checkpoint_every=100, val_fraction=0.1)
 
 
-class PretrainStage(BaseModel):
+class TrainStage(BaseModel):
+    """Where a training stage writes and how it is launched; ``train`` holds its settings."""
+
     model_config = ConfigDict(extra="forbid")
 
-    out: str = Field("runs/pretrain", description="Run folder: checkpoints, model/, metrics.json.")
+    out: str = Field("runs/stage", description="Run folder: checkpoints, model/, metrics.json.")
     num_processes: int = Field(1, ge=1, description="Processes for `accelerate launch` (DDP when > 1).")
     accelerate_config: str | None = Field(
         None,
         description="Accelerate config: a name under infra/accelerate (cpu, cpu_ddp, gpu_ddp, fsdp) or a path.",
     )
-    registered_name: str | None = Field(
-        "crawl2chat-base", description="MLflow registered model name for the base model (None: don't register)."
-    )
+    registered_name: str | None = Field(None, description="MLflow registered model name (None: don't register).")
+
+
+class PretrainStage(TrainStage):
+    out: str = "runs/pretrain"
+    registered_name: str | None = "crawl2chat-base"
     train: PretrainConfig = Field(default_factory=_demo_pretrain, description="Training settings.")
+
+
+def _demo(cls, **fields):
+    # Sized for the embedded default's small demo sets and a 2-core laptop.
+    common = dict(seq_len=128, micro_batch_size=8, warmup_steps=5, eval_every=20, eval_batches=5,
+                  checkpoint_every=20)
+    return lambda: cls(**{**common, **fields})
+
+
+class SFTStage(TrainStage):
+    out: str = "runs/sft"
+    registered_name: str | None = "crawl2chat-sft"
+    data: str | None = Field(None, description="SFT data (JSONL/Parquet); None: derived from the data stage's shards.")
+    train: SFTConfig = Field(default_factory=_demo(SFTConfig, max_steps=40, lr=1e-3, min_lr=1e-4))
+
+
+class RewardStage(TrainStage):
+    out: str = "runs/reward"
+    registered_name: str | None = "crawl2chat-reward"
+    data: str | None = Field(None, description="Preference pairs; None: derived from the data stage's shards.")
+    train: RewardConfig = Field(default_factory=_demo(RewardConfig, max_steps=40, lr=1e-3, min_lr=1e-4))
+
+
+class PPOStage(TrainStage):
+    out: str = "runs/ppo"
+    registered_name: str | None = "crawl2chat-policy"
+    prompts: str | None = Field(None, description="Prompts for rollouts; None: derived from the data stage's shards.")
+    train: PPOConfig = Field(default_factory=lambda: PPOConfig(
+        max_steps=6, rollout_batch_size=8, micro_batch_size=8, ppo_epochs=2, max_prompt_len=96, max_new_tokens=16,
+        lr=1e-4, seq_len=128))
+
+
+class DPOStage(TrainStage):
+    out: str = "runs/dpo"
+    registered_name: str | None = "crawl2chat-dpo"
+    enabled: bool = Field(False, description="Also train a DPO policy from the SFT model in `crawl2chat run`.")
+    data: str | None = Field(None, description="Preference pairs; None: the reward stage's data.")
+    train: DPOConfig = Field(default_factory=_demo(DPOConfig, max_steps=40, lr=1e-4, min_lr=1e-5))
+
+
+class DemoSetsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    out: str = Field("runs/posttrain_data", description="Where the derived SFT/preference/prompt files go.")
+    examples: int = Field(200, ge=4, description="Examples derived per set from the shards.")
+    seed: int = Field(0, description="Seed of the derivation.")
 
 
 class TrackingConfig(BaseModel):
@@ -97,6 +152,11 @@ class Config(BaseModel):
     )
     data: DataConfig = Field(default_factory=DataConfig)
     pretrain: PretrainStage = Field(default_factory=PretrainStage)
+    demo_sets: DemoSetsConfig = Field(default_factory=DemoSetsConfig)
+    sft: SFTStage = Field(default_factory=SFTStage)
+    reward: RewardStage = Field(default_factory=RewardStage)
+    ppo: PPOStage = Field(default_factory=PPOStage)
+    dpo: DPOStage = Field(default_factory=DPOStage)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

@@ -78,6 +78,7 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``."""
     import torch
 
+    Path(out).mkdir(parents=True, exist_ok=True)
     cmd = accelerate_command(module, argv, num_processes=num_processes, accelerate_config=accelerate_config,
                              cpu=not torch.cuda.is_available())
     return run_streaming(cmd, env=env, log_path=Path(out) / "train.log", on_line=on_line)
@@ -99,6 +100,41 @@ def run_pretraining(data: str, out: str, preset: str | None = None, max_steps: i
         ensure_ray()
     prepare_data(cfg, data, out)
     return launch_stage(MODULE, argv, out, num_processes, accelerate_config, on_line, env)
+
+
+def run_sft(base: str, data: str, out: str, max_steps: int | None = None, config: str | None = None,
+            overrides: list[str] | None = None, **launch_kw) -> int:
+    from crawl2chat.stages.sft import MODULE, argv_for
+
+    argv = argv_for({"base": base, "data": data}, out, config, max_steps, overrides)
+    return launch_stage(MODULE, argv, out, **launch_kw)
+
+
+def run_reward(base: str, data: str, out: str, max_steps: int | None = None, config: str | None = None,
+               overrides: list[str] | None = None, **launch_kw) -> int:
+    from crawl2chat.stages.reward import MODULE
+    from crawl2chat.stages.sft import argv_for
+
+    argv = argv_for({"base": base, "data": data}, out, config, max_steps, overrides)
+    return launch_stage(MODULE, argv, out, **launch_kw)
+
+
+def run_dpo(policy: str, data: str, out: str, max_steps: int | None = None, config: str | None = None,
+            overrides: list[str] | None = None, **launch_kw) -> int:
+    from crawl2chat.stages.dpo import MODULE
+    from crawl2chat.stages.sft import argv_for
+
+    argv = argv_for({"policy": policy, "data": data}, out, config, max_steps, overrides)
+    return launch_stage(MODULE, argv, out, **launch_kw)
+
+
+def run_ppo(policy: str, reward: str, prompts: str, out: str, max_steps: int | None = None,
+            config: str | None = None, overrides: list[str] | None = None, **launch_kw) -> int:
+    from crawl2chat.stages.ppo import MODULE
+    from crawl2chat.stages.sft import argv_for
+
+    argv = argv_for({"policy": policy, "reward": reward, "prompts": prompts}, out, config, max_steps, overrides)
+    return launch_stage(MODULE, argv, out, **launch_kw)
 
 
 def _progress_printer(stage: str, follower: MetricsFollower | None, every: int = 20) -> Callable[[str], None]:
@@ -136,31 +172,127 @@ def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | 
     return f"models:/{registered_name}/{version.version}"
 
 
-@task(name="pretrain", retries=0, cache_policy=NO_CACHE)
-def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
-                  accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-                  registered_name: str | None = "crawl2chat-base") -> dict:
-    """Tokenizer + base model from the data stage's shards (or a text file)."""
+def record_training(stage: str, out: str, settings: dict[str, Any], launch: Callable[[str, Callable], Any],
+                    params: dict[str, Any], lineage: dict[str, str] | None, registered_name: str | None,
+                    extra_artifacts: Callable[[dict], None] | None = None) -> dict:
+    """Run one training stage inside its MLflow child run: settings file, launch, metrics,
+    model folder, registration, lineage tags. Returns the stage's summary."""
     import yaml
 
-    out_path = Path(out)
+    out_path = Path(out).resolve()
     out_path.mkdir(parents=True, exist_ok=True)
-    config_file = out_path / "pretrain_config.yaml"
+    config_file = out_path / f"{stage}_config.yaml"
     config_file.write_text(yaml.safe_dump(settings, sort_keys=False))
-    with stage_run("pretrain", {"pretrain": settings, "num_processes": num_processes,
-                                "data": data}, tags=lineage) as run:
+    with stage_run(stage, {stage: settings, **params}, tags=lineage) as run:
         follower = MetricsFollower(out_path / "metrics.jsonl", run.info.run_id)
-        run_pretraining(data, out, config=str(config_file), num_processes=num_processes,
-                        accelerate_config=accelerate_config, on_line=_progress_printer("pretrain", follower))
+        launch(str(config_file), _progress_printer(stage, follower))
         follower.poll()
         summary = json.loads((out_path / "metrics.json").read_text())
         mlflow.log_metrics({k: float(v) for k, v in summary.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)})
         mlflow.log_artifact(str(out_path / "metrics.json"))
-        mlflow.log_artifacts(str(Path(summary["tokenizer"])), artifact_path="tokenizer")
-        mlflow.set_tags({"crawl2chat.tokenizer": summary["tokenizer"], "crawl2chat.model_dir": summary["model_dir"]})
-        summary["model_uri"] = log_model_folder(Path(summary["model_dir"]), registered_name, "current")
+        if extra_artifacts:
+            extra_artifacts(summary)
+        model_dir = out_path / "model"
+        summary["model_dir"] = str(model_dir)
+        mlflow.set_tag("crawl2chat.model_dir", str(model_dir))
+        summary["model_uri"] = log_model_folder(model_dir, registered_name, "current")
         summary["run_id"] = run.info.run_id
-    print(f"[pretrain] val_loss {summary.get('val_loss'):.3f}  val_bpb {summary.get('val_bpb'):.3f}  "
+    return summary
+
+
+def _launch_kw(num_processes: int, accelerate_config: str | None) -> dict[str, Any]:
+    return {"num_processes": num_processes, "accelerate_config": accelerate_config}
+
+
+@task(name="pretrain", retries=0, cache_policy=NO_CACHE)
+def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
+                  accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
+                  registered_name: str | None = "crawl2chat-base") -> dict:
+    """Tokenizer + base model from the data stage's shards (or a text file)."""
+
+    def launch(config_file: str, on_line: Callable) -> None:
+        run_pretraining(data, out, config=config_file, on_line=on_line, **_launch_kw(num_processes, accelerate_config))
+
+    def tokenizer_artifacts(summary: dict) -> None:
+        mlflow.log_artifacts(summary["tokenizer"], artifact_path="tokenizer")
+        mlflow.set_tag("crawl2chat.tokenizer", summary["tokenizer"])
+
+    summary = record_training("pretrain", out, settings, launch, {"data": data, "num_processes": num_processes},
+                              lineage, registered_name, tokenizer_artifacts)
+    print(f"[pretrain] val_loss {summary['val_loss']:.3f}  val_bpb {summary['val_bpb']:.3f}  "
           f"{summary.get('tokens_per_second', 0):.0f} tokens/s -> {summary['model_dir']}", flush=True)
     return summary
+
+
+@task(name="sft", retries=0, cache_policy=NO_CACHE)
+def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
+             accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
+             registered_name: str | None = None) -> dict:
+    """Supervised fine-tuning of a base model on chat data (loss on assistant tokens only)."""
+    summary = record_training(
+        "sft", out, settings,
+        lambda cfg, on_line: run_sft(base, data, out, config=cfg, on_line=on_line,
+                                     **_launch_kw(num_processes, accelerate_config)),
+        {"base": base, "data": data}, lineage, registered_name)
+    print(f"[sft] {summary.get('steps')} steps, val_loss {summary.get('val_loss', float('nan')):.3f} -> {summary['model_dir']}",
+          flush=True)
+    return summary
+
+
+@task(name="reward", retries=0, cache_policy=NO_CACHE)
+def reward_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
+                accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
+                registered_name: str | None = None) -> dict:
+    """A reward model (scalar head) trained on preference pairs."""
+    summary = record_training(
+        "reward", out, settings,
+        lambda cfg, on_line: run_reward(base, data, out, config=cfg, on_line=on_line,
+                                        **_launch_kw(num_processes, accelerate_config)),
+        {"base": base, "data": data}, lineage, registered_name)
+    print(f"[reward] eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f} -> {summary['model_dir']}", flush=True)
+    return summary
+
+
+@task(name="ppo", retries=0, cache_policy=NO_CACHE)
+def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[str, Any], num_processes: int = 1,
+             accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
+             registered_name: str | None = None) -> dict:
+    """PPO of the SFT policy against the reward model, with a KL penalty to the SFT reference."""
+    summary = record_training(
+        "ppo", out, settings,
+        lambda cfg, on_line: run_ppo(policy, reward, prompts, out, config=cfg, on_line=on_line,
+                                     **_launch_kw(num_processes, accelerate_config)),
+        {"policy": policy, "reward": reward, "prompts": prompts}, lineage, registered_name)
+    print(f"[ppo] reward {summary.get('reward_mean_first', float('nan')):.3f} -> "
+          f"{summary.get('reward_mean_last', float('nan')):.3f}, KL {summary.get('kl_last', float('nan')):.3f} "
+          f"-> {summary['model_dir']}", flush=True)
+    return summary
+
+
+@task(name="dpo", retries=0, cache_policy=NO_CACHE)
+def dpo_task(policy: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
+             accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
+             registered_name: str | None = None) -> dict:
+    """Direct Preference Optimisation of the SFT policy against its frozen copy."""
+    summary = record_training(
+        "dpo", out, settings,
+        lambda cfg, on_line: run_dpo(policy, data, out, config=cfg, on_line=on_line,
+                                     **_launch_kw(num_processes, accelerate_config)),
+        {"policy": policy, "data": data}, lineage, registered_name)
+    print(f"[dpo] eval_reward_accuracy {summary.get('eval_reward_accuracy', float('nan')):.3f} -> "
+          f"{summary['model_dir']}", flush=True)
+    return summary
+
+
+@task(name="demo-sets", retries=0, cache_policy=NO_CACHE)
+def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int) -> dict[str, str]:
+    """Small SFT, preference and prompt sets derived from the crawled corpus itself."""
+    from crawl2chat.stages.chat_data import derive_demo_sets
+
+    with stage_run("demo-sets", {"examples": examples, "seed": seed, "shards": shards_dir}):
+        paths = derive_demo_sets(shards_dir, out, n=examples, seed=seed)
+        for path in paths.values():
+            mlflow.log_artifact(path, artifact_path="demo_sets")
+    print(f"[demo-sets] SFT, preference and prompt sets -> {out}", flush=True)
+    return paths

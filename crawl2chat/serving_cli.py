@@ -1,0 +1,167 @@
+"""``crawl2chat eval | export | serve | chat``: evaluation, export and serving of a model folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+QUANTIZE_HELP = "Dynamic int8 quantisation of the linear layers at load time (CPU): none or int8."
+
+
+def _check_model(model: str) -> None:
+    if not (Path(model) / "config.json").exists():
+        typer.echo(f"error: {model} is not a model folder (no config.json)", err=True)
+        raise typer.Exit(2)
+
+
+def _check_quantize(quantize: Optional[str]) -> None:
+    if quantize not in (None, "none", "int8"):
+        typer.echo(f"error: --quantize takes none or int8, not {quantize!r}", err=True)
+        raise typer.Exit(2)
+
+
+def eval_command(
+    model: str = typer.Option(..., "--model", "-m", help="Model folder (Hugging Face layout)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Held-out Parquet shards folder or text file."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the results as JSON here."),
+    mc_tasks: int = typer.Option(100, "--mc-tasks", help="Multiple-choice tasks generated from --data (0: none)."),
+    max_tokens: int = typer.Option(200_000, "--max-tokens", help="Cap on scored held-out tokens."),
+    chat: bool = typer.Option(False, "--chat", help="Sample generations through the chat template."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    reward_model: Optional[str] = typer.Option(None, "--reward-model", help="Reward model folder."),
+    pairs: Optional[str] = typer.Option(None, "--pairs", help="JSONL {prompt, chosen, rejected}: RM accuracy."),
+    parent: Optional[str] = typer.Option(None, "--parent", help="SFT parent: win rate and KL of --model against it."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Held-out prompts for --parent (JSONL or lines)."),
+) -> None:
+    """Bits per byte, perplexity, multiple choice and sample generations of a model."""
+    _check_model(model)
+    _check_quantize(quantize)
+    from crawl2chat.stages.evaluate import main
+
+    argv = ["--model", model, "--mc-tasks", str(mc_tasks), "--max-tokens", str(max_tokens),
+            "--quantize", quantize or "none"]
+    for flag, value in (("--data", data), ("--out", out), ("--reward-model", reward_model), ("--pairs", pairs),
+                        ("--parent", parent), ("--prompts", prompts)):
+        if value:
+            argv += [flag, value]
+    if chat:
+        argv.append("--chat")
+    main(argv)
+
+
+def export_command(
+    model: str = typer.Option(..., "--model", "-m", help="Model folder (Hugging Face layout)."),
+    out: str = typer.Option(..., "--out", "-o", help="Exported folder."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="int8: measure it against fp32 and serve the folder with it."),
+    data: Optional[str] = typer.Option(None, "--data", help="Held-out text for the fp32/int8 bits-per-byte comparison."),
+    compile_check: bool = typer.Option(False, "--compile-check", help="Measure torch.compile against eager decoding; serve compiled only if faster."),
+) -> None:
+    """Add generation config and chat template, check the reload, optionally measure int8."""
+    _check_model(model)
+    _check_quantize(quantize)
+    from crawl2chat.stages.export import REPORT, export_model
+
+    report = export_model(model, out, quantize=quantize, data=data, compile_check=compile_check)
+    r = report["reload"]
+    typer.echo(f"exported to {report['out']}\n  reload: max |logit diff| {r['max_abs_logit_diff']:.2e}, "
+               f"stop tokens {r['eos_token_id']}")
+    if "int8" in report:
+        q = report["int8"]
+        typer.echo(f"  {'':6} {'prefill ms':>11} {'decode tok/s':>13} {'bpb':>8}")
+        for side in ("fp32", "int8"):
+            s = q[side]
+            bpb = f"{s['bpb']:.4f}" if "bpb" in s else "-"
+            typer.echo(f"  {side:6} {s['prefill_ms']:11.2f} {s['decode_tokens_per_s']:13.1f} {bpb:>8}")
+        typer.echo(f"  decode speed-up x{q['decode_speedup']:.2f}, prefill x{q['prefill_speedup']:.2f}"
+                   + (f", bpb change {q['bpb_change']:+.4f}" if "bpb_change" in q else ""))
+    if "compile" in report:
+        c = report["compile"]
+        verdict = "kept" if c["kept"] else "not kept"
+        detail = f"decode x{c['decode_speedup']:.2f}" if "decode_speedup" in c else c.get("error", "")
+        typer.echo(f"  torch.compile: {detail}, {verdict}")
+    typer.echo(f"  report: {Path(report['out']) / REPORT}")
+
+
+def serve_command(
+    model: str = typer.Option(..., "--model", "-m", help="Model folder (Hugging Face layout)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+    port: int = typer.Option(8000, "--port", "-p", help="TCP port."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Default: the folder's serving.json."),
+    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests generating at once."),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests waiting beyond those; more get 503."),
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Largest max_tokens a request may ask for."),
+) -> None:
+    """HTTP server: /health, /generate (streaming) and OpenAI-compatible /v1/chat/completions."""
+    _check_model(model)
+    _check_quantize(quantize)
+    from crawl2chat.stages.serve import serve
+
+    typer.echo(f"serving {model} on http://{host}:{port}  (OpenAI base URL http://{host}:{port}/v1)")
+    serve(model, host=host, port=port, quantize=quantize, max_concurrent=max_concurrent, max_queue=max_queue,
+          max_tokens_limit=max_tokens)
+
+
+def chat_command(
+    model: str = typer.Option(..., "--model", "-m", help="Model folder (Hugging Face layout)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Largest reply, in tokens."),
+    temperature: float = typer.Option(0.8, "--temperature"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+) -> None:
+    """Terminal chat on the serving code path (chat template, KV-cache streaming). /reset, /exit."""
+    _check_model(model)
+    _check_quantize(quantize)
+    from crawl2chat.stages.generation import Engine, SamplingParams
+
+    engine = Engine(model, quantize=quantize)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    try:
+        params.validate()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    typer.echo(f"{model} ({engine.quantize}); /reset clears the conversation, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("")
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = list(start)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = engine.chat_prompt_ids(history)
+        while len(history) > 1 + len(start) and len(ids) + params.max_new_tokens > engine.max_context:
+            history = start + history[len(start) + 2:]  # forget the oldest exchange
+            ids = engine.chat_prompt_ids(history)
+        try:
+            stream = engine.stream(ids, params)
+        except ValueError as e:
+            typer.echo(f"error: {e}", err=True)
+            history.pop()
+            continue
+        sys.stdout.write("bot> ")
+        for piece in stream.deltas():
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": stream.text})
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``eval``, ``export``, ``serve`` and ``chat`` to the ``crawl2chat`` command line."""
+    app.command("eval")(eval_command)
+    app.command("export")(export_command)
+    app.command("serve")(serve_command)
+    app.command("chat")(chat_command)

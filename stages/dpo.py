@@ -1,0 +1,155 @@
+"""Direct preference optimisation: an SFT model aligned on preference pairs.
+
+Run under accelerate::
+
+    accelerate launch -m crawl2chat.stages.dpo --policy SFT_MODEL_DIR --data PREFS --out OUT \\
+        [--config dpo.yaml] [--max-steps N] [--set beta=0.1 ...]
+
+Loss per pair (Rafailov et al., 2023)::
+
+    -logsigmoid(beta * ((log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))))
+
+with optional label smoothing (conservative DPO). The reference is the frozen
+starting policy; its log-probabilities are computed once before training and
+carried with each pair, so the training step runs one model. Implicit reward
+``beta * (log pi - log ref)``; ``eval_reward_accuracy`` is the share of held-out
+pairs where the chosen answer's implicit reward is higher (ties count half,
+so the untrained policy scores exactly 0.5). Same preference data formats as
+the reward model; same Trainer machinery (re-running on ``OUT`` resumes).
+
+Outputs: ``OUT/model`` (Hugging Face causal LM + tokenizer), ``OUT/metrics.jsonl``,
+``OUT/metrics.json`` (``eval_reward_accuracy``, ``eval_reward_accuracy_start``,
+``eval_reward_margin``, ``policy``/``data`` lineage).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from crawl2chat.stages.chat_data import load_preferences, response_logprobs
+from crawl2chat.stages.pretrain import finished_summary
+from crawl2chat.stages.reward import collate_pairs, pair_accuracy, tokenise_pairs
+from crawl2chat.stages.sft import (ExampleSampler, argv_for, finish, prepare_out, resolve,
+                                   stage_parser)
+from crawl2chat.stages.trainer import TrainConfig, Trainer, make_accelerator
+
+MODULE = "crawl2chat.stages.dpo"
+
+
+class DPOConfig(TrainConfig):
+    seq_len: int = 512
+    micro_batch_size: int = 8  # pairs
+    max_steps: int = 300
+    lr: float = 1e-5
+    min_lr: float = 1e-6
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    val_fraction: float = 0.1
+    beta: float = 0.1  # strength of the implicit KL constraint to the reference
+    label_smoothing: float = 0.0  # assumed share of flipped labels (conservative DPO)
+
+
+def policy_logprobs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    lp = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+    n = lp.shape[0] // 2
+    return lp[:n], lp[n:]
+
+
+def dpo_loss_terms(pc, pr, rc, rr, beta: float, label_smoothing: float = 0.0):
+    """Per-pair loss and the chosen/rejected implicit rewards."""
+    logits = beta * ((pc - rc) - (pr - rr))
+    loss = -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
+    return loss, beta * (pc - rc), beta * (pr - rr)
+
+
+def make_dpo_loss(cfg: DPOConfig):
+    def loss_fn(model, batch):
+        pc, pr = policy_logprobs(model, batch)
+        loss, _, _ = dpo_loss_terms(pc, pr, batch["ref_chosen"], batch["ref_rejected"], cfg.beta,
+                                    cfg.label_smoothing)
+        return loss.mean(), pc.shape[0]
+
+    def implicit_rewards(model, batch):
+        pc, pr = policy_logprobs(model, batch)
+        _, c, r = dpo_loss_terms(pc, pr, batch["ref_chosen"], batch["ref_rejected"], cfg.beta)
+        return c, r
+
+    return loss_fn, implicit_rewards
+
+
+@torch.no_grad()
+def attach_reference_logprobs(model, encoded, pad_id: int, batch_size: int = 16) -> None:
+    """Adds ``ref_chosen``/``ref_rejected`` (summed answer log-probabilities) to each encoded pair."""
+    model.eval()
+    for i in range(0, len(encoded), batch_size):
+        chunk = encoded[i:i + batch_size]
+        b = collate_pairs(chunk, pad_id)
+        lc, lr = policy_logprobs(model, b)
+        for e, c, r in zip(chunk, lc.tolist(), lr.tolist()):
+            e["ref_chosen"], e["ref_rejected"] = c, r
+
+
+def collate_with_ref(encoded, pad_id):
+    b = collate_pairs(encoded, pad_id)
+    b["ref_chosen"] = torch.tensor([e["ref_chosen"] for e in encoded])
+    b["ref_rejected"] = torch.tensor([e["ref_rejected"] for e in encoded])
+    return b
+
+
+def parse_args(argv=None):
+    return stage_parser(MODULE, __doc__, {"--policy": "SFT model folder (policy start and frozen reference)",
+                                          "--data": "preference pairs (JSONL, .jsonl.gz or Parquet)"}).parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = parse_args(argv)
+    cfg = resolve(DPOConfig, args)
+    out = Path(args.out)
+    done = finished_summary(out, cfg.max_steps)
+    if done is not None:
+        print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
+        return done
+    acc = make_accelerator(cfg)
+    prepare_out(acc, cfg, out)
+    tokenizer = AutoTokenizer.from_pretrained(args.policy)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pairs, bad_rows = load_preferences(args.data)
+    train, val, skipped = tokenise_pairs(tokenizer, pairs, cfg)
+    encoded = train + val
+    # The reference is the starting policy: score every pair once, before any update.
+    model = AutoModelForCausalLM.from_pretrained(args.policy)
+    model.config.use_cache = False
+    attach_reference_logprobs(model.to(acc.device), encoded, pad_id)
+    sampler = ExampleSampler(len(train), list(range(len(train), len(encoded))),
+                             lambda ids: collate_with_ref([encoded[i] for i in ids], pad_id), cfg)
+    loss_fn, implicit_rewards = make_dpo_loss(cfg)
+    acc.print(f"DPO: {len(train)} pairs, {len(val)} held out, beta {cfg.beta}; skipped {dict(bad_rows + skipped)}")
+    trainer: Trainer | None = None
+
+    def eval_extra(_loss: float) -> dict[str, float]:
+        r = pair_accuracy(acc, trainer.model, sampler.eval_batches(trainer.rank, trainer.world), implicit_rewards)
+        return {"eval_reward_accuracy": r["accuracy"], "eval_reward_margin": r["margin_mean"]}
+
+    trainer = Trainer(cfg, acc, model, out, batch_fn=sampler.batch, loss_fn=loss_fn,
+                      eval_batches_fn=sampler.eval_batches if val else None, eval_extra=eval_extra)
+    start = {}
+    if val:
+        start = pair_accuracy(acc, trainer.model, sampler.eval_batches(trainer.rank, trainer.world), implicit_rewards)
+    summary = trainer.fit()
+    summary.update(stage="dpo", policy=str(Path(args.policy).resolve()), data=str(Path(args.data).resolve()),
+                   beta=cfg.beta, pairs=len(train), held_out=len(val), skipped=dict(bad_rows + skipped))
+    if start:
+        summary["eval_reward_accuracy_start"] = start["accuracy"]
+    return finish(acc, trainer, Path(args.policy), out, summary)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,171 @@
+"""Evaluation on tiny models: bits per byte against a direct computation, sliding
+windows scoring every token once, a briefly trained model beating a random one
+on bpb and on the generated multiple-choice tasks, reward-model accuracy, the
+policy win rate, and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from crawl2chat.stages import evaluate as ev
+from crawl2chat.stages.generation import init_model_dir, load_model
+
+CYCLE = "amber birch cedar dune ember fjord grove heath".split()
+
+
+def cycle_docs(n: int, seed: int) -> list[str]:
+    """Documents that walk a fixed cycle of words from random starts: the
+    continuation of any passage is predictable, other passages' are not."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n):
+        start, length = rng.randrange(len(CYCLE)), rng.randint(20, 40)
+        docs.append(" ".join(CYCLE[(start + i) % len(CYCLE)] for i in range(length)))
+    return docs
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n".join(cycle_docs(300, seed=0)) + "\n")
+    rand = init_model_dir(root / "random", corpus, vocab_size=300, seq_len=128)
+    trained = root / "trained"
+    shutil.copytree(rand, trained)
+    model, tok = load_model(trained)
+    ids = torch.tensor(tok(corpus.read_text(), add_special_tokens=False)["input_ids"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    model.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 64-wide model gains nothing from more threads on a shared machine
+    try:
+        _train(model, opt, ids, g)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(trained, safe_serialization=True)
+    return {"root": root, "random": rand, "trained": trained, "held_out": cycle_docs(40, seed=1)}
+
+
+def _train(model, opt, ids, g, steps: int = 150) -> None:
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (8,), generator=g)
+        batch = torch.stack([ids[s:s + 65] for s in starts])
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_bpb_matches_direct_computation(models):
+    model, tok = load_model(models["random"])
+    texts = ["amber birch cedar", "déjà vu — vale willow"]
+    res = ev.evaluate_lm((model, tok), texts)
+    ids = [tok.eos_token_id]
+    for t in texts:
+        ids += tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        nats = F.cross_entropy(model(input_ids=x[:, :-1]).logits[0], x[0, 1:], reduction="sum").item()
+    n_bytes = sum(len(t.encode()) for t in texts)
+    assert res["bytes"] == n_bytes and res["tokens"] == len(ids) - 1
+    assert res["bpb"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
+    assert res["perplexity"] == pytest.approx(math.exp(nats / (len(ids) - 1)), rel=1e-5)
+
+
+def test_sliding_windows_score_every_token_once(models):
+    loaded = load_model(models["trained"])
+    docs = models["held_out"][:6]
+    # The model was trained on 64-token windows: positions beyond 64 are untrained.
+    full = ev.evaluate_lm(loaded, docs, context=64, stride=64)
+    for ctx, stride in [(32, 32), (32, 8), (64, 16)]:
+        res = ev.evaluate_lm(loaded, docs, context=ctx, stride=stride, batch_size=3)
+        assert res["tokens"] == full["tokens"] and res["bytes"] == full["bytes"]
+        assert res["bpb"] == pytest.approx(full["bpb"], rel=0.5)
+
+
+def test_trained_model_beats_random_on_bpb_and_multiple_choice(models, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": models["held_out"]}), shards / "part-0.parquet")
+    trained = ev.evaluate_lm(models["trained"], tmp_path)  # a data-stage folder
+    rand = ev.evaluate_lm(models["random"], tmp_path)
+    assert trained["bpb"] < 0.5 * rand["bpb"] and trained["perplexity"] < rand["perplexity"]
+
+    kw = dict(n=20, seed=0, context_words=10, ending_words=5)  # within the 64 trained positions
+    tasks = ev.make_mc_tasks(models["held_out"], **kw)
+    assert len(tasks) == 20 and tasks == ev.make_mc_tasks(models["held_out"], **kw)
+    for t in tasks:
+        assert len(t["choices"]) == 4 and len(set(t["choices"])) == 4 and 0 <= t["label"] < 4
+    good = ev.multiple_choice_accuracy(models["trained"], tasks)
+    bad = ev.multiple_choice_accuracy(models["random"], tasks)
+    assert good["chance"] == 0.25 and good["n"] == 20
+    assert good["acc"] >= 0.5 and good["acc"] > bad["acc"]  # chance is 0.25
+
+
+def test_sample_generations_fixed_and_deterministic(models):
+    a = ev.sample_generations(models["trained"], ["amber birch", "sage"], max_new_tokens=12)
+    b = ev.sample_generations(models["trained"], ["amber birch", "sage"], max_new_tokens=12)
+    assert a == b and [r["prompt"] for r in a] == ["amber birch", "sage"]
+    assert all(1 <= r["tokens"] <= 12 for r in a)
+    assert a[0]["completion"].split()[:2] == ["cedar", "dune"]  # the cycle was learnt
+    chat = ev.sample_generations(models["trained"], chat=True, max_new_tokens=4)
+    assert len(chat) == len(ev.DEFAULT_CHAT_PROMPTS)
+
+
+def _tiny_reward_model(models, out: Path) -> Path:
+    """A reward model trained for a few steps to prefer responses with 'good'."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models["random"]))
+    rm = AutoModelForSequenceClassification.from_pretrained(str(models["random"]), num_labels=1)
+    rm.config.pad_token_id = tok.pad_token_id
+    opt = torch.optim.AdamW(rm.parameters(), lr=1e-2)
+    for _ in range(20):
+        texts = [ev._reward_text(tok, "say", "good good"), ev._reward_text(tok, "say", "bad bad")]
+        scores = [rm(input_ids=tok(t, return_tensors="pt", add_special_tokens=False)["input_ids"]).logits[0, 0]
+                  for t in texts]
+        loss = -F.logsigmoid(scores[0] - scores[1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rm.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_reward_accuracy_and_win_rate(models, tmp_path):
+    rm_dir = _tiny_reward_model(models, tmp_path / "rm")
+    pairs = [{"prompt": "say", "chosen": "good good", "rejected": "bad bad"},
+             {"prompt": "say", "chosen": "good", "rejected": "bad"}]
+    res = ev.reward_accuracy(rm_dir, pairs)
+    assert res["accuracy"] == 1.0 and res["margin"] > 0 and res["n"] == 2
+    flipped = ev.reward_accuracy(rm_dir, [{**p, "chosen": p["rejected"], "rejected": p["chosen"]} for p in pairs])
+    assert flipped["accuracy"] == 0.0
+
+    same = ev.win_rate(models["trained"], models["trained"], rm_dir, ["amber", "sage"], max_new_tokens=8)
+    assert same["win_rate"] == 0.5 and same["kl"] == pytest.approx(0.0, abs=1e-6)
+    other = ev.win_rate(models["trained"], models["random"], rm_dir, ["amber", "sage"], max_new_tokens=8)
+    assert 0.0 <= other["win_rate"] <= 1.0 and other["kl"] > 0  # samples from the policy: KL estimate positive
+
+
+def test_command_line_writes_json(models, tmp_path):
+    data = tmp_path / "held.txt"
+    data.write_text("\n".join(models["held_out"]))
+    out = tmp_path / "eval.json"
+    ev.main(["--model", str(models["trained"]), "--data", str(data), "--out", str(out), "--mc-tasks", "8"])
+    res = json.loads(out.read_text())
+    assert res["lm"]["bpb"] > 0 and res["mc"]["n"] == 8
+    assert [g["prompt"] for g in res["generations"]] == ev.DEFAULT_PROMPTS

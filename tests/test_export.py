@@ -1,0 +1,93 @@
+"""Export: serving files added, transformers reloads the copy with identical
+logits, generate stops at the configured tokens, and int8 measured against fp32
+(output close, speed and bits per byte reported side by side)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from crawl2chat.stages.export import REPORT, export_model
+from crawl2chat.stages.generation import SERVING_FILE, Engine, init_model_dir, load_model
+
+
+def corpus_text(n_lines: int = 800, seed: int = 0) -> str:
+    words = "the king queen night day sword crown river stone bright dark speak answer gentle noble".split()
+    rng = random.Random(seed)
+    return "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(n_lines)) + "\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    (root / "corpus.txt").write_text(corpus_text())
+    (root / "held.txt").write_text(corpus_text(60, seed=1))
+    return init_model_dir(root / "model", root / "corpus.txt", preset="tiny", vocab_size=300, seq_len=128)
+
+
+def test_export_adds_serving_files_and_reloads_identically(model_dir, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "exported"
+    report = export_model(model_dir, out)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+                 "chat_template.jinja", SERVING_FILE, REPORT):
+        assert (out / name).exists(), name
+    assert report["reload"]["max_abs_logit_diff"] <= 1e-5 and report["reload"]["generate_ok"]
+    tok = AutoTokenizer.from_pretrained(str(out))
+    gc = GenerationConfig.from_pretrained(str(out))
+    assert set(gc.eos_token_id) == {tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|end|>")}
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == (out / "chat_template.jinja").read_text()
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True) == "<|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert json.loads((out / SERVING_FILE).read_text())["quantize"] == "none"
+
+
+def test_export_int8_reports_side_by_side_and_serves_int8(model_dir, tmp_path):
+    out = tmp_path / "int8"
+    report = export_model(model_dir, out, quantize="int8", data=model_dir.parent / "held.txt")
+    q = report["int8"]
+    for side in ("fp32", "int8"):
+        assert q[side]["decode_tokens_per_s"] > 0 and q[side]["prefill_ms"] > 0 and q[side]["bpb"] > 0
+    assert abs(q["bpb_change"]) < 0.02 * q["fp32"]["bpb"]  # int8 costs at most 2% in bits per byte
+    assert q["probe_kl"] < 1e-2 and q["probe_top1_agreement"] >= 0.8
+    assert q["decode_speedup"] > 0 and q["prefill_speedup"] > 0
+    engine = Engine(out)  # serving.json makes the exported folder load as int8
+    assert engine.quantize == "int8"
+    assert isinstance(engine.model.lm_head, torch.ao.nn.quantized.dynamic.Linear)
+
+
+def test_load_model_rejects_unknown_quantisation(model_dir):
+    with pytest.raises(ValueError, match="quantize"):
+        load_model(model_dir, quantize="int4")
+
+
+def test_export_command(model_dir, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from crawl2chat.serving_cli import register
+
+    app = typer.Typer()
+    register(app)
+    out = tmp_path / "cli"
+    r = CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "max |logit diff|" in r.output and (out / "generation_config.json").exists()
+    bad = CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(out), "--quantize", "int4"])
+    assert bad.exit_code == 2 and "int8" in bad.output
+
+
+@pytest.mark.slow
+def test_compile_is_kept_only_when_measured_faster(model_dir):
+    from crawl2chat.stages.export import measure_compile
+
+    res = measure_compile(model_dir, new_tokens=8)
+    assert res["eager"]["decode_tokens_per_s"] > 0
+    if "error" not in res:
+        assert res["kept"] == (res["decode_speedup"] >= 1.1)
+    else:
+        assert res["kept"] is False

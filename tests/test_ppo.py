@@ -1,0 +1,189 @@
+"""PPO: loss pieces against hand-computed values on a fixed small batch (GAE, masked
+whitening, clipped ratio, clipped value loss, rewards), rollout bookkeeping, and a
+real ``accelerate launch`` run in which the reward-model score rises with bounded KL."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from crawl2chat.tasks.train import run_ppo as launch
+from crawl2chat.stages.ppo import (KLController, PPOConfig, PPORunner, compute_gae, masked_whiten,
+                                   ppo_losses, token_rewards)
+from crawl2chat.stages.trainer import read_metrics
+from test_reward import rule_pairs
+from test_sft import BAD, GOOD, TOPICS, tiny_base, write_jsonl
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0]])
+    values = torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.4, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # Row 0: deltas 0.9*0.2-0.5, 0.9*0.1-0.2, 1-0.1; A_t = delta_t + 0.72 A_{t+1}.
+    a2 = 0.9
+    a1 = -0.11 + 0.72 * a2
+    a0 = -0.32 + 0.72 * a1
+    # Row 1: the third token is padding; its reward and value are ignored (value after the end is 0).
+    b1 = 2.0 - 0.4
+    b0 = (0.9 * 0.4 - 0.3) + 0.72 * b1
+    torch.testing.assert_close(adv, torch.tensor([[a0, a1, a2], [b0, b1, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, a1 + 0.2, a2 + 0.1], [b0 + 0.3, b1 + 0.4, 0.0]]))
+
+
+def test_whitening_uses_valid_tokens_only():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, -50.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    w = masked_whiten(x, mask)
+    std = math.sqrt((2.25 + 0.25 + 0.25 + 2.25) / 3)  # unbiased variance of 1, 2, 3, 4
+    torch.testing.assert_close(w, torch.tensor([[-1.5 / std, -0.5 / std, 0.5 / std], [1.5 / std, 0.0, 0.0]]))
+    # Global statistics: a 'reduce' that sums across two identical processes gives the same answer
+    # except for the unbiased correction (n = 8 instead of 4).
+    w2 = masked_whiten(x, mask, reduce=lambda t: 2 * t)
+    std2 = math.sqrt(2 * 5.0 / 7)
+    assert w2[0, 0].item() == pytest.approx(-1.5 / std2, rel=1e-5)
+
+
+def test_ppo_losses_by_hand():
+    ratio = torch.tensor([[1.5, 0.5, 0.7, 100.0]])
+    new_lp = torch.log(ratio)
+    old_lp = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, 1.0, -2.0, 7.0]])
+    old_v = torch.zeros(1, 4)
+    values = torch.tensor([[0.5, -0.1, 0.3, 50.0]])
+    returns = torch.tensor([[1.0, 1.0, -1.0, 0.0]])
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])  # the last token is padding: ignored everywhere
+    out = ppo_losses(new_lp, values, entropy, old_lp, old_v, adv, returns, mask, cliprange=0.2,
+                     cliprange_value=0.2, vf_coef=0.5, ent_coef=0.01)
+    # token 0: max(-1.5, -1.2) = -1.2 (clipped); token 1: max(-0.5, -0.8) = -0.5; token 2: max(1.4, 1.6) = 1.6 (clipped)
+    assert out["policy_loss"].item() == pytest.approx((-1.2 - 0.5 + 1.6) / 3, rel=1e-5)
+    assert out["clip_fraction"].item() == pytest.approx(2 / 3)
+    # values: clipped to +-0.2 around the old ones; the larger error of the two counts.
+    vl = 0.5 * (max(0.25, 0.64) + 1.21 + max(1.69, 1.44)) / 3
+    assert out["value_loss"].item() == pytest.approx(vl, rel=1e-5)
+    assert out["value_clip_fraction"].item() == pytest.approx(1 / 3)
+    assert out["entropy"].item() == pytest.approx(2.0)
+    assert out["loss"].item() == pytest.approx((-0.1 / 3) + 0.5 * vl - 0.01 * 2.0, rel=1e-5)
+    assert out["approx_kl"].item() == pytest.approx(
+        0.5 * sum(math.log(r) ** 2 for r in (1.5, 0.5, 0.7)) / 3, rel=1e-5)
+
+
+def test_token_rewards_and_kl_controller():
+    lp = torch.tensor([[-1.0, -2.0, -1.0], [-0.5, -0.5, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -9.0], [-0.5, -1.5, -0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    rewards, kl = token_rewards(lp, ref, mask, scores=torch.tensor([2.0, 3.0]), ended=torch.tensor([True, False]),
+                                kl_coef=0.1, missing_eos_penalty=-1.0)
+    # Score on the last valid token; the answer that never ended is penalised.
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.1 + 2.0, 0.0], [0.0, -0.1, 3.0 - 1.0]]))
+    torch.testing.assert_close(kl.sum(1), torch.tensor([-0.5, 1.0]))
+    fixed = KLController(0.1, adaptive=False, target=1.0, horizon=100)
+    fixed.update(5.0, 10)
+    assert fixed.value == 0.1
+    ada = KLController(0.1, adaptive=True, target=1.0, horizon=100)
+    ada.update(5.0, 10)  # error clipped to +0.2: x (1 + 0.2 * 10 / 100)
+    assert ada.value == pytest.approx(0.1 * 1.02)
+    ada.update(0.0, 10)
+    assert ada.value == pytest.approx(0.1 * 1.02 * 0.98)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """In-process, from a tiny random base: a reward model trained to prefer 'fair weather'
+    words, and an SFT policy that answers with four words drawn evenly from fair and foul
+    weather, then ends its turn: a middling reward that is easy to raise."""
+    import random
+
+    from crawl2chat.stages import reward, sft
+
+    root = tmp_path_factory.mktemp("ppo")
+    base = tiny_base(root)
+    data = write_jsonl(root / "prefs.jsonl", rule_pairs())
+    sets = ["seq_len=64", "lr=3e-3", "min_lr=3e-4", "warmup_steps=3", "eval_every=0", "checkpoint_every=0",
+            "val_fraction=0.2", "eval_batches=8"]
+    reward.main(["--base", str(base), "--data", str(data), "--out", str(root / "rm"), "--max-steps", "40",
+                 *[x for s in sets for x in ("--set", s)]])
+    assert json.loads((root / "rm" / "metrics.json").read_text())["eval_accuracy"] >= 0.85
+    rng = random.Random(5)
+    mixed = write_jsonl(root / "mixed.jsonl", [
+        {"prompt": f"describe the {rng.choice(TOPICS)}", "response": " ".join(rng.choice(GOOD + BAD) for _ in range(4))}
+        for _ in range(300)])
+    sets = ["seq_len=128", "lr=3e-3", "min_lr=3e-4", "warmup_steps=3", "eval_every=0", "checkpoint_every=0",
+            "val_fraction=0"]
+    sft.main(["--base", str(base), "--data", str(mixed), "--out", str(root / "sft"), "--max-steps", "60",
+              *[x for s in sets for x in ("--set", s)]])
+    prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": f"describe the {t}"} for t in TOPICS]
+                          + [{"messages": [{"role": "user", "content": "hi"}]}, {"bogus": 1}])
+    return {"root": root, "base": base, "sft": root / "sft" / "model", "rm": root / "rm" / "model", "prompts": prompts}
+
+
+def test_rollout_bookkeeping(models, tmp_path):
+    from crawl2chat.stages.chat_data import encode_prompt, load_prompts
+    from crawl2chat.stages.trainer import make_accelerator
+    from transformers import AutoTokenizer
+
+    cfg = PPOConfig(rollout_batch_size=6, micro_batch_size=3, max_new_tokens=6, max_steps=1, seed=3)
+    tok = AutoTokenizer.from_pretrained(models["base"])
+    msgs, skipped = load_prompts(models["prompts"])
+    assert len(msgs) == 9 and skipped == {"unknown_format": 1}
+    prompts = [encode_prompt(tok, m) for m in msgs]
+    runner = PPORunner(cfg, make_accelerator(cfg), str(models["base"]), str(models["rm"]), prompts, tmp_path)
+    ro = runner.rollout(1)
+    P, mask = ro["P"], ro["mask"]
+    assert ro["seq"].shape == (6, P + 6)
+    # The answer mask is a prefix ending at the first end-of-turn marker (or the token limit).
+    resp = ro["seq"][:, P:]
+    for row, m, ended in zip(resp, mask, ro["ended"]):
+        n = int(m.sum())
+        assert m[:n].all() and not m[n:].any()
+        assert bool(ended) == (runner.eot_id in row[:n].tolist()) and (not ended or row[n - 1] == runner.eot_id)
+        assert (row[n:] == runner.pad_id).all()
+    # Whitened advantages: mean 0 and unit variance over valid tokens, 0 elsewhere.
+    valid = ro["adv"][mask.bool()]
+    assert abs(valid.mean().item()) < 1e-5 and valid.std().item() == pytest.approx(1.0, rel=1e-3)
+    assert (ro["adv"][~mask.bool()] == 0).all()
+    # Before any update the recomputed log-probabilities equal the rollout's: ratio 1, nothing clipped.
+    with torch.no_grad():
+        from crawl2chat.stages.ppo import answer_logprobs
+
+        logits, values = runner.model(ro["seq"], ro["attn"], ro["pos"])
+        lp, ent = answer_logprobs(logits, ro["seq"], P, cfg.temperature)
+        out = ppo_losses(lp, values[:, P - 1:-1], ent, ro["logprobs"], ro["values"], ro["adv"], ro["returns"],
+                         mask, 0.2, 0.2, 0.5, 0.0)
+    assert out["approx_kl"].item() < 1e-10 and out["clip_fraction"].item() == 0.0
+    # The policy is the reference at the start: the per-answer KL is zero.
+    assert ro["kl"].abs().max().item() < 1e-4
+    # The score is the reward model's, read at the last valid token.
+    with torch.no_grad():
+        i = 0
+        n = int(mask[i].sum())
+        ids = ro["seq"][i, :P + n][ro["attn"][i, :P + n].bool()][None]
+        assert runner.rm(input_ids=ids).logits[0, 0].item() == pytest.approx(ro["scores"][i].item(), abs=1e-4)
+
+
+@pytest.mark.slow
+def test_ppo_under_accelerate_raises_reward(models, tmp_path):
+    out = tmp_path / "ppo"
+    launch(str(models["sft"]), str(models["rm"]), str(models["prompts"]), str(out), max_steps=16,
+           overrides=["rollout_batch_size=16", "micro_batch_size=8", "ppo_epochs=4", "max_new_tokens=8",
+                      "lr=1e-3", "kl_coef=0.05", "adaptive_kl=true", "kl_target=2.0"])
+    m = json.loads((out / "metrics.json").read_text())
+    log = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "step"]
+    assert len(log) == 16 and m["steps"] == 16
+    for key in ("reward_mean", "kl", "clip_fraction", "entropy", "value_loss", "response_length"):
+        assert all(math.isfinite(r[key]) for r in log), key
+    rewards = [r["reward_mean"] for r in log]
+    assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 1.5, rewards  # ~-0.5 -> ~3 in trial runs
+    assert log[-1]["eos_rate"] >= 0.5  # answers still end: the missing-EOS penalty holds
+    assert m["reward_mean_last"] == rewards[-1] and m["reward_mean_first"] == rewards[0]
+    assert 0 <= m["kl_last"] < 10.0 and m["kl_last"] == log[-1]["kl"]
+    assert m["policy"] == str(models["sft"].resolve()) and m["reward"] == str(models["rm"].resolve())
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    assert AutoModelForCausalLM.from_pretrained(out / "model").config.vocab_size > 0
+    assert AutoModelForSequenceClassification.from_pretrained(out / "value_model", num_labels=1).config.num_labels == 1
