@@ -23,6 +23,10 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
         "pretrain.train.eval_every=15",
         "pretrain.train.checkpoint_every=15",
         "pretrain.train.vocab_size=512",
+        "demo_sets.examples=40",
+        "sft.train.max_steps=10",
+        "reward.train.max_steps=10",
+        "ppo.train.max_steps=2",
     ]
     cmd = [sys.executable, "-m", "crawl2chat.cli", "run"] + [a for s in sets for a in ("--set", s)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
@@ -30,7 +34,8 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     out = proc.stdout
     for stage in ("[data] crawl", "[data] extract", "[data] dedup", "[data] write"):
         assert stage in out
-    assert "base model:" in out
+    for line in ("base model:", "SFT model:", "reward model:", "PPO policy:", "crawl2chat lineage"):
+        assert line in out
 
     home = tmp_path / ".crawl2chat"
     shards = list((tmp_path / "runs" / "data" / "shards").glob("shard-*.parquet"))
@@ -44,7 +49,8 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert len(parent) == 1
     children = {r.data.tags.get("crawl2chat.stage"): r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
-    assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain"} <= set(children)
+    assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain",
+            "demo-sets", "sft", "reward", "ppo"} <= set(children)
     pre = children["pretrain"]
     assert pre.data.tags["crawl2chat.data_digest"].startswith("sha256:")
     assert pre.data.tags["crawl2chat.input.data"] == children["write"].info.run_id
@@ -52,5 +58,17 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert model_dir_tag == str(model_dir.resolve())
     history = mlflow.MlflowClient().get_metric_history(pre.info.run_id, "loss")
     assert len(history) >= 30
-    versions = mlflow.MlflowClient().search_model_versions("name='crawl2chat-base'")
-    assert versions
+    client = mlflow.MlflowClient()
+    for name in ("crawl2chat-base", "crawl2chat-sft", "crawl2chat-reward", "crawl2chat-policy"):
+        assert client.get_model_version_by_alias(name, "current")
+    # The policy's lineage reaches back to the data version through SFT, RM and the base model.
+    ppo = children["ppo"]
+    assert ppo.data.tags["crawl2chat.input.sft"] == children["sft"].info.run_id
+    assert ppo.data.tags["crawl2chat.input.reward"] == children["reward"].info.run_id
+    assert children["sft"].data.tags["crawl2chat.input.base"] == pre.info.run_id
+    lineage = subprocess.run([sys.executable, "-m", "crawl2chat.cli", "lineage", ppo.data.tags["crawl2chat.model_dir"]],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert lineage.returncode == 0, lineage.stderr
+    upstream = lineage.stdout.partition("this:")[0]
+    for stage in ("sft", "reward", "pretrain", "write"):
+        assert children[stage].info.run_id in upstream
