@@ -81,7 +81,9 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     Path(out).mkdir(parents=True, exist_ok=True)
     cmd = accelerate_command(module, argv, num_processes=num_processes, accelerate_config=accelerate_config,
                              cpu=not torch.cuda.is_available())
-    return run_streaming(cmd, env=env, log_path=Path(out) / "train.log", on_line=on_line)
+    # The stage prints its own progress; library progress bars and load reports go unseen.
+    quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+    return run_streaming(cmd, env={**quiet, **(env or {})}, log_path=Path(out) / "train.log", on_line=on_line)
 
 
 def run_pretraining(data: str, out: str, preset: str | None = None, max_steps: int | None = None,
@@ -143,7 +145,8 @@ def _progress_printer(stage: str, follower: MetricsFollower | None, every: int =
 
     def on_line(line: str) -> None:
         count["n"] += 1
-        if line.strip():
+        # The closing JSON summary is printed by the task in a line of its own.
+        if line.strip() and not line.startswith("{"):
             print(f"[{stage}] {line}", flush=True)
         if follower and count["n"] % every == 0:
             follower.poll()
