@@ -71,17 +71,18 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
 
     base_tags = input_tags(base=base["run_id"])
     sft = sft_task(base["model_dir"], sft_data, str(Path(config.sft.out).resolve()),
-                   config.sft.train.model_dump(mode="json"), lineage=base_tags, **_stage_kw(config.sft))
+                   config.sft.train.model_dump(mode="json"), lineage=base_tags, eval_data=shards, **_stage_kw(config.sft))
     rm = reward_task(base["model_dir"], pref_data, str(Path(config.reward.out).resolve()),
                      config.reward.train.model_dump(mode="json"), lineage=base_tags, **_stage_kw(config.reward))
     policy = ppo_task(sft["model_dir"], rm["model_dir"], prompts, str(Path(config.ppo.out).resolve()),
                       config.ppo.train.model_dump(mode="json"),
-                      lineage=input_tags(sft=sft["run_id"], reward=rm["run_id"]), **_stage_kw(config.ppo))
+                      lineage=input_tags(sft=sft["run_id"], reward=rm["run_id"]), eval_data=shards,
+                      **_stage_kw(config.ppo))
     result = {"sft": sft, "reward": rm, "ppo": policy}
     if config.dpo.enabled:
         result["dpo"] = dpo_task(sft["model_dir"], config.dpo.data or pref_data, str(Path(config.dpo.out).resolve()),
                                  config.dpo.train.model_dump(mode="json"), lineage=input_tags(sft=sft["run_id"]),
-                                 **_stage_kw(config.dpo))
+                                 eval_data=shards, **_stage_kw(config.dpo))
     return result
 
 

@@ -187,8 +187,19 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(raw)
 
 
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read YAML (if given), apply dotted overrides, validate."""
+    """Read YAML (if given), apply dotted overrides, validate.
+
+    Both are merged into the full default configuration, so setting one field of
+    a section (``pretrain.train.max_steps``) keeps that section's other defaults,
+    including the embedded demo's sizes, instead of resetting them."""
     tree: dict[str, Any] = {}
     if path:
         try:
@@ -203,6 +214,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if value is not None:
             set_path(tree, key, value)
     try:
-        return Config.model_validate(tree)
+        return Config.model_validate(deep_merge(Config().model_dump(mode="json"), tree))
     except ValidationError as e:
         raise ConfigError(_format_errors(e)) from None

@@ -25,6 +25,9 @@ def configure_prefect_env(home: str | None = None) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Each stage prints its own progress lines; library progress bars would interleave with them.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if home and not os.environ.get("PREFECT_API_URL") and "PREFECT_HOME" not in os.environ:
         prefect_home = Path(home).resolve() / "prefect"
         prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level

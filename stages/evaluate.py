@@ -340,8 +340,12 @@ def evaluate_model(model_dir, data=None, mc_tasks: int = 100, max_docs: int | No
         texts = held_out_texts(data, max_docs)
         result["lm"] = evaluate_lm(loaded, texts, max_tokens=max_tokens)
         if mc_tasks:
-            tasks = make_mc_tasks(texts, n=mc_tasks, seed=seed)
-            result["mc"] = multiple_choice_accuracy(loaded, tasks)
+            try:
+                tasks = make_mc_tasks(texts, n=mc_tasks, seed=seed)
+            except ValueError as e:  # too little held-out text to build tasks from
+                result["mc"] = {"skipped": str(e)}
+            else:
+                result["mc"] = multiple_choice_accuracy(loaded, tasks)
     result["generations"] = sample_generations(engine, prompts, chat=chat)
     return result
 
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
         pairs = [json.loads(line) for line in Path(args.pairs).read_text().splitlines() if line.strip()]
         res["reward"] = reward_accuracy(args.reward_model, pairs)
     if args.parent and args.reward_model and args.prompts:
-        res["policy"] = win_rate(args.model, args.parent, args.reward_model, _read_prompts(args.prompts))
+        res["policy"] = win_rate(args.model, args.parent, args.reward_model, read_prompts(args.prompts))
     text = json.dumps(res, indent=2, ensure_ascii=False)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -376,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     return res
 
 
-def _read_prompts(path: str) -> list[str]:
+def read_prompts(path: str) -> list[str]:
     out = []
     for line in Path(path).read_text().splitlines():
         if not line.strip():

@@ -175,9 +175,49 @@ def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | 
     return f"models:/{registered_name}/{version.version}"
 
 
+def held_out_texts(data: str, val_fraction: float = 0.1, limit: int = 200) -> list[str]:
+    """Documents of a shards folder outside the training split (the packing's id-hash
+    rule); a corpus too small to have any falls back to its last documents."""
+    import pyarrow.parquet as pq
+
+    from crawl2chat.stages.packing import is_validation
+    from crawl2chat.stages.tokenizer import shard_files
+
+    if not Path(data).is_dir():
+        text = Path(data).read_text(encoding="utf-8")
+        return [text[int(len(text) * (1 - val_fraction)):]]
+    table = pq.read_table(shard_files(data), columns=["id", "text"])
+    rows = list(zip(table["id"].to_pylist(), table["text"].to_pylist()))
+    held = [t for i, t in rows if t and is_validation(str(i), val_fraction)]
+    return (held or [t for _, t in rows[-max(1, len(rows) // 10):] if t])[:limit]
+
+
+def log_evaluation(result: dict) -> dict[str, float]:
+    """Evaluation figures as ``eval.*`` metrics, generations as a table, the whole as JSON."""
+    flat = {f"eval.{section}.{key}": float(value)
+            for section in ("lm", "mc", "policy") for key, value in (result.get(section) or {}).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    mlflow.log_metrics(flat)
+    generations = result.get("generations") or []
+    if generations:
+        mlflow.log_table({"prompt": [g["prompt"] for g in generations],
+                          "completion": [g["completion"] for g in generations]}, "eval/generations.json")
+    mlflow.log_dict(result, "eval/evaluation.json")
+    return flat
+
+
+def evaluate_causal_lm(model_dir: str, eval_data: str | None, chat: bool, val_fraction: float = 0.1) -> dict:
+    """Bits per byte, perplexity and multiple choice on held-out text, plus sample generations."""
+    from crawl2chat.stages.evaluate import evaluate_model
+
+    texts = held_out_texts(eval_data, val_fraction) if eval_data else None
+    return evaluate_model(model_dir, texts, mc_tasks=50 if texts else 0, max_tokens=50_000, chat=chat)
+
+
 def record_training(stage: str, out: str, settings: dict[str, Any], launch: Callable[[str, Callable], Any],
                     params: dict[str, Any], lineage: dict[str, str] | None, registered_name: str | None,
-                    extra_artifacts: Callable[[dict], None] | None = None) -> dict:
+                    extra_artifacts: Callable[[dict], None] | None = None,
+                    evaluate: Callable[[dict], dict] | None = None) -> dict:
     """Run one training stage inside its MLflow child run: settings file, launch, metrics,
     model folder, registration, lineage tags. Returns the stage's summary."""
     import yaml
@@ -201,6 +241,13 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
         mlflow.set_tag("crawl2chat.model_dir", str(model_dir))
         summary["model_uri"] = log_model_folder(model_dir, registered_name, "current")
         summary["run_id"] = run.info.run_id
+        if evaluate:
+            # The last step of every training stage: the model as a user would judge it.
+            try:
+                summary["eval"] = log_evaluation(evaluate(summary))
+            except Exception as e:  # noqa: BLE001 - a failed evaluation is recorded, the model stays
+                mlflow.set_tag("crawl2chat.eval_error", f"{type(e).__name__}: {e}"[:5000])
+                print(f"[{stage}] evaluation failed: {type(e).__name__}: {e}", flush=True)
     return summary
 
 
@@ -222,7 +269,9 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
         mlflow.set_tag("crawl2chat.tokenizer", summary["tokenizer"])
 
     summary = record_training("pretrain", out, settings, launch, {"data": data, "num_processes": num_processes},
-                              lineage, registered_name, tokenizer_artifacts)
+                              lineage, registered_name, tokenizer_artifacts,
+                              evaluate=lambda s: evaluate_causal_lm(s["model_dir"], data, chat=False,
+                                                                    val_fraction=settings.get("val_fraction", 0.1)))
     print(f"[pretrain] val_loss {summary['val_loss']:.3f}  val_bpb {summary['val_bpb']:.3f}  "
           f"{summary.get('tokens_per_second', 0):.0f} tokens/s -> {summary['model_dir']}", flush=True)
     return summary
@@ -231,13 +280,14 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
 @task(name="sft", retries=0, cache_policy=NO_CACHE)
 def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
              accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-             registered_name: str | None = None) -> dict:
+             registered_name: str | None = None, eval_data: str | None = None) -> dict:
     """Supervised fine-tuning of a base model on chat data (loss on assistant tokens only)."""
     summary = record_training(
         "sft", out, settings,
         lambda cfg, on_line: run_sft(base, data, out, config=cfg, on_line=on_line,
                                      **_launch_kw(num_processes, accelerate_config)),
-        {"base": base, "data": data}, lineage, registered_name)
+        {"base": base, "data": data}, lineage, registered_name,
+        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
     print(f"[sft] {summary.get('steps')} steps, val_loss {summary.get('val_loss', float('nan')):.3f} -> {summary['model_dir']}",
           flush=True)
     return summary
@@ -257,16 +307,28 @@ def reward_task(base: str, data: str, out: str, settings: dict[str, Any], num_pr
     return summary
 
 
+def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_file: str,
+                     eval_data: str | None, n_prompts: int = 16) -> dict:
+    """A policy's LM figures plus its win rate against its SFT parent under the reward model."""
+    from crawl2chat.stages.evaluate import read_prompts, win_rate
+
+    result = evaluate_causal_lm(policy_dir, eval_data, chat=True)
+    prompts = read_prompts(prompts_file)[-n_prompts:]  # the last prompts: not among the earliest rollouts
+    result["policy"] = win_rate(policy_dir, parent_dir, reward_dir, prompts, max_new_tokens=16)
+    return result
+
+
 @task(name="ppo", retries=0, cache_policy=NO_CACHE)
 def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[str, Any], num_processes: int = 1,
              accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-             registered_name: str | None = None) -> dict:
+             registered_name: str | None = None, eval_data: str | None = None) -> dict:
     """PPO of the SFT policy against the reward model, with a KL penalty to the SFT reference."""
     summary = record_training(
         "ppo", out, settings,
         lambda cfg, on_line: run_ppo(policy, reward, prompts, out, config=cfg, on_line=on_line,
                                      **_launch_kw(num_processes, accelerate_config)),
-        {"policy": policy, "reward": reward, "prompts": prompts}, lineage, registered_name)
+        {"policy": policy, "reward": reward, "prompts": prompts}, lineage, registered_name,
+        evaluate=lambda s: _evaluate_policy(s["model_dir"], policy, reward, prompts, eval_data))
     print(f"[ppo] reward {summary.get('reward_mean_first', float('nan')):.3f} -> "
           f"{summary.get('reward_mean_last', float('nan')):.3f}, KL {summary.get('kl_last', float('nan')):.3f} "
           f"-> {summary['model_dir']}", flush=True)
@@ -276,13 +338,14 @@ def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[st
 @task(name="dpo", retries=0, cache_policy=NO_CACHE)
 def dpo_task(policy: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
              accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-             registered_name: str | None = None) -> dict:
+             registered_name: str | None = None, eval_data: str | None = None) -> dict:
     """Direct Preference Optimisation of the SFT policy against its frozen copy."""
     summary = record_training(
         "dpo", out, settings,
         lambda cfg, on_line: run_dpo(policy, data, out, config=cfg, on_line=on_line,
                                      **_launch_kw(num_processes, accelerate_config)),
-        {"policy": policy, "data": data}, lineage, registered_name)
+        {"policy": policy, "data": data}, lineage, registered_name,
+        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
     print(f"[dpo] eval_reward_accuracy {summary.get('eval_reward_accuracy', float('nan')):.3f} -> "
           f"{summary['model_dir']}", flush=True)
     return summary

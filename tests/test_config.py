@@ -1,0 +1,44 @@
+"""The project configuration: YAML + overrides merged into the defaults, bad fields named."""
+
+from __future__ import annotations
+
+import pytest
+
+from crawl2chat.infra.config import ConfigError, load_config, parse_override
+
+
+def test_one_nested_override_keeps_the_sections_other_defaults():
+    default = load_config()
+    cfg = load_config(overrides={"pretrain.train.max_steps": 7})
+    assert cfg.pretrain.train.max_steps == 7
+    assert cfg.pretrain.train.preset == default.pretrain.train.preset
+    assert cfg.pretrain.train.seq_len == default.pretrain.train.seq_len
+
+
+def test_yaml_then_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  out: from-yaml\n  dedup:\n    num_bands: 20\n")
+    cfg = load_config(path, {"data.out": "from-flag"})
+    assert cfg.data.out == "from-flag" and cfg.data.dedup.num_bands == 20
+    assert parse_override("data.langid.languages=[en, de]") == ("data.langid.languages", ["en", "de"])
+
+
+@pytest.mark.parametrize("override, named", [
+    ({"data.dedup.num_bands": 0}, "data.dedup.num_bands"),
+    ({"data.balance.alpha": "lots"}, "data.balance.alpha"),
+    ({"pretrain.train.optimizer": "sgd"}, "pretrain.train.optimizer"),
+    ({"sft.trian": {}}, "sft.trian"),
+])
+def test_bad_fields_are_named(override, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=override)
+    assert named in str(err.value)
+
+
+def test_unreadable_or_invalid_yaml_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
