@@ -56,6 +56,10 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert pre.data.tags["crawl2chat.input.data"] == children["write"].info.run_id
     model_dir_tag = pre.data.tags["crawl2chat.model_dir"]
     assert model_dir_tag == str(model_dir.resolve())
+    # Each training stage ends with its evaluation, recorded in its own run.
+    assert pre.data.metrics["eval.lm.bpb"] > 0
+    assert "eval.policy.win_rate" in children["ppo"].data.metrics
+    assert "crawl2chat.eval_error" not in children["sft"].data.tags
     history = mlflow.MlflowClient().get_metric_history(pre.info.run_id, "loss")
     assert len(history) >= 30
     client = mlflow.MlflowClient()
