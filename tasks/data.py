@@ -18,6 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from crawl2chat.infra.ray_runtime import ensure_ray
+from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
 from crawl2chat.stages import data_pipeline as steps
 from crawl2chat.stages.data_pipeline import StepResult
@@ -28,7 +29,16 @@ def metric_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-. /]", "/", text)
 
 
-def log_step(result: StepResult) -> None:
+STEP_GOALS = {
+    "extract": "Turn WARC/WET records into text documents; count what cannot be used.",
+    "langid": "Tag each document with its language (fastText lid.176); drop unsure ones.",
+    "quality": "Drop low-quality pages with the Gopher, C4 and FineWeb rules (and the classifier when on).",
+    "dedup": "Remove exact and near duplicates (MinHash LSH, connected components on Ray).",
+    "balance": "Weight languages (or sources) by w = freq^alpha / size^beta.",
+}
+
+
+def log_step(result: StepResult, params: dict | None = None) -> None:
     mlflow.log_metrics(
         {
             "documents_in": result.rows_in,
@@ -41,6 +51,14 @@ def log_step(result: StepResult) -> None:
         }
     )
     mlflow.set_tags({"crawl2chat.skipped": str(result.skipped), "crawl2chat.fingerprint": result.fingerprint})
+    log_record(
+        STEP_GOALS.get(result.name, result.name),
+        params or {},
+        {"documents in": result.rows_in, "text MB": round(result.bytes_in / 2**20, 3)},
+        {"kept": result.kept, "dropped": sum(result.dropped.values()), "seconds": result.seconds,
+         "skipped (already done)": result.skipped, **result.dropped},
+    )
+    plot_bars(result.dropped, f"{result.name}: documents dropped by reason", f"{result.name}_drop_reasons.png")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{result.name}_result.json"
         path.write_text(json.dumps(result.to_dict(), indent=2, default=str))
@@ -100,7 +118,7 @@ def _recorded_step(name: str, params: dict, run: Callable[[], StepResult],
     ensure_ray()
     with stage_run(name, params):
         result = run()
-        log_step(result)
+        log_step(result, params)
         if extra_logging:
             extra_logging(result)
     _print_step(result)
@@ -131,6 +149,9 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
     def log_stats(result: StepResult) -> None:
         stats = result.extra.get("dedup", {})
         mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
+        sizes = {f"size {k}": v for k, v in sorted((stats.get("cluster_size_histogram") or {}).items(),
+                                                     key=lambda kv: int(kv[0]))}
+        plot_bars(sizes, "dedup: clusters by size", "dedup_cluster_sizes.png")
 
     return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index)},
                           lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index), log_stats)
@@ -157,6 +178,13 @@ def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, co
              "shards": len(manifest["shards"])}
         )
         mlflow.set_tag("crawl2chat.data_digest", manifest["content_digest"])
+        plot_bars(manifest["drop_reasons"], "all steps: documents dropped by reason", "drop_reasons.png")
+        log_record("Write the kept documents as bounded zstd Parquet shards; quarantine every dropped one.",
+                   {"shard_bytes": shard_bytes, "out": out_dir},
+                   {"steps": len(results), "input files": len(manifest["files"]),
+                    "unreadable files": len(manifest["unreadable_files"])},
+                   {"documents kept": manifest["documents_kept"], "documents dropped": manifest["documents_dropped"],
+                    "shards": len(manifest["shards"]), "content digest": manifest["content_digest"]})
         manifest["mlflow_run_id"] = run.info.run_id  # returned for lineage, not written to disk
     print(f"[data] write    {manifest['documents_kept']:>7} documents in {len(manifest['shards'])} shards "
           f"-> {out_dir}/shards", flush=True)

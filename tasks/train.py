@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from crawl2chat.infra.launch import accelerate_command, run_streaming
+from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.tracking import stage_run
 
 
@@ -31,7 +32,8 @@ class MetricsFollower:
 
     KEYS = ("loss", "lr", "grad_norm", "tokens_per_second", "mfu", "val_loss", "val_bpb",
             "reward_mean", "kl", "clip_fraction", "entropy", "value_loss", "response_length",
-            "accuracy", "eval_accuracy", "eval_reward_accuracy")
+            "accuracy", "eval_accuracy", "eval_reward_accuracy", "kl_coef", "eos_rate", "policy_loss",
+            "approx_kl", "value_clip_fraction", "reward_accuracy", "chosen_reward", "rejected_reward")
 
     def __init__(self, path: Path, run_id: str):
         self.path = path
@@ -241,6 +243,11 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
         mlflow.set_tag("crawl2chat.model_dir", str(model_dir))
         summary["model_uri"] = log_model_folder(model_dir, registered_name, "current")
         summary["run_id"] = run.info.run_id
+        from crawl2chat.stages.trainer import read_metrics
+
+        rows = read_metrics(out_path / "metrics.jsonl")
+        plot_curves(rows, ("loss", "val_loss"), f"{stage}: loss", f"{stage}_loss.png")
+        plot_curves(rows, ("reward_mean", "kl"), f"{stage}: reward and KL", f"{stage}_reward_kl.png")
         if evaluate:
             # The last step of every training stage: the model as a user would judge it.
             try:
@@ -248,7 +255,19 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
             except Exception as e:  # noqa: BLE001 - a failed evaluation is recorded, the model stays
                 mlflow.set_tag("crawl2chat.eval_error", f"{type(e).__name__}: {e}"[:5000])
                 print(f"[{stage}] evaluation failed: {type(e).__name__}: {e}", flush=True)
+        log_record(STAGE_GOALS.get(stage, stage), settings, {k: v for k, v in params.items()},
+                   {k: v for k, v in {**summary, **summary.get("eval", {})}.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
     return summary
+
+
+STAGE_GOALS = {
+    "pretrain": "Train a BPE tokenizer and a decoder-only base model from scratch on the shards.",
+    "sft": "Fine-tune the base model on chat data, loss on assistant tokens only.",
+    "reward": "Train a scalar reward model on preference pairs (pairwise logistic loss).",
+    "ppo": "Optimise the SFT policy against the reward model with PPO and a KL penalty to the reference.",
+    "dpo": "Optimise the SFT policy directly on preference pairs (DPO) against a frozen reference.",
+}
 
 
 def _launch_kw(num_processes: int, accelerate_config: str | None) -> dict[str, Any]:

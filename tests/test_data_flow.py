@@ -57,6 +57,14 @@ def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path):
     assert {"extract", "langid", "quality", "dedup", "balance", "write", "review"} <= set(children)
     assert children["write"].data.metrics["documents_kept"] > 0
     assert children["extract"].data.metrics["documents_in"] > 0
+    # Each run reads as an experiment record, with its plots beside it.
+    client = mlflow.MlflowClient()
+    write_id = children["write"].info.run_id
+    artifacts = {a.path for a in client.list_artifacts(write_id)} | {a.path for a in client.list_artifacts(write_id, "plots")}
+    assert {"record.md", "manifest.json", "plots/drop_reasons.png"} <= artifacts
+    assert "**Goal.**" in children["write"].data.tags["mlflow.note.content"]
+    dedup_plots = {a.path for a in client.list_artifacts(children["dedup"].info.run_id, "plots")}
+    assert "plots/dedup_drop_reasons.png" in dedup_plots or children["dedup"].data.metrics["documents_dropped"] == 0
 
 
 @pytest.mark.slow
