@@ -405,22 +405,22 @@ def test_url_normalisation():
     assert normalize_url("b.html#x", "http://Example.COM:80/a/") == "http://example.com/a/b.html"
     assert normalize_url("https://example.com") == "https://example.com/"
     assert normalize_url("mailto:a@b.c") is None
-    assert normalize_url("//other.org/p?q=1", "https://example.com/") == "https://other.org/p?q=1"
+    assert normalize_url("//other.example.org/p?q=1", "https://example.com/") == "https://other.example.org/p?q=1"
     assert normalize_url("http://[::1]:8080/x") == "http://[::1]:8080/x"
-    assert normalize_url("http://host:notaport/") is None
+    assert normalize_url("http://h.example.org:notaport/") is None
 
 
 def test_link_extraction_honours_base_and_nofollow():
     page = b'<html><head><base href="/docs/"></head><body><a href="a.html">a</a><a href="#top">t</a></body></html>'
     # A fragment-only link resolves against <base>, as browsers do.
-    assert extract_links(page, "http://h.org/index.html") == ["http://h.org/docs/a.html", "http://h.org/docs/"]
+    assert extract_links(page, "http://h.example.org/index.html") == ["http://h.example.org/docs/a.html", "http://h.example.org/docs/"]
     nofollow = b'<html><head><meta name="robots" content="noindex, nofollow"></head><a href="/x">x</a></html>'
-    assert extract_links(nofollow, "http://h.org/") == []
+    assert extract_links(nofollow, "http://h.example.org/") == []
 
 
 def test_unfinished_warc_file_never_carries_the_final_name(tmp_path):
     sink = RotatingWarcWriter(tmp_path, max_bytes=1 << 20, user_agent="test")
-    record = sink.writer.create_warc_record("http://h.org/", "resource", payload=io.BytesIO(b"x"), length=1)
+    record = sink.writer.create_warc_record("http://h.example.org/", "resource", payload=io.BytesIO(b"x"), length=1)
     sink.write(record)
     # Until close (a crawl killed here), only the .tmp name exists.
     assert [p.name.endswith(".warc.gz.tmp") for p in tmp_path.iterdir()] == [True]

@@ -67,13 +67,13 @@ def crafted_warc(tmp_path) -> Path:
     with open(path, "wb") as out:
         writer = WARCWriter(out, gzip=True)
         http_response(
-            writer, "http://gbk.example.cn/news", html(CHINESE).encode("gbk"),
+            writer, "http://gbk.example.com/news", html(CHINESE).encode("gbk"),
             [("Content-Type", "text/html; charset=gbk")],
         )
         sjis_meta = '<meta http-equiv="Content-Type" content="text/html; charset=Shift_JIS">'
-        http_response(writer, "http://sjis.example.jp/", html(JAPANESE, sjis_meta).encode("shift_jis"))
+        http_response(writer, "http://sjis.example.com/", html(JAPANESE, sjis_meta).encode("shift_jis"))
         http_response(
-            writer, "http://latin1.example.de/", html(GERMAN).encode("latin-1"),
+            writer, "http://latin1.example.com/", html(GERMAN).encode("latin-1"),
             [("Content-Type", "text/html; charset=utf-8")],
         )
         http_response(writer, "http://empty.example.com/", b"")
@@ -98,10 +98,10 @@ def test_crafted_records_each_become_one_document(crafted_warc):
     assert reader.file_errors == []
     assert len(docs) == 10  # the request record is not a document
 
-    assert "广东省人民政府门户网站" in docs["http://gbk.example.cn/news"]["text"]
-    assert docs["http://gbk.example.cn/news"]["charset"] == "gbk"
-    assert "東京の天気は晴れ" in docs["http://sjis.example.jp/"]["text"]
-    assert "Größe der Straße" in docs["http://latin1.example.de/"]["text"]
+    assert "广东省人民政府门户网站" in docs["http://gbk.example.com/news"]["text"]
+    assert docs["http://gbk.example.com/news"]["charset"] == "gbk"
+    assert "東京の天気は晴れ" in docs["http://sjis.example.com/"]["text"]
+    assert "Größe der Straße" in docs["http://latin1.example.com/"]["text"]
     assert docs["http://text.example.com/a.txt"]["text"].startswith("Plain text served")
 
     reasons = {url: d["drop_reason"] for url, d in docs.items() if d["drop_reason"]}
@@ -121,7 +121,7 @@ def test_document_fields(crafted_warc):
     doc = next(WarcReader().run(str(crafted_warc)))
     assert set(TEXT_COLUMNS) <= set(doc) and {"charset", "record_type"} <= set(doc)
     assert doc["source"] == "crafted.warc.gz"
-    assert doc["host"] == "gbk.example.cn"
+    assert doc["host"] == "gbk.example.com"
     assert doc["content_type"] == "text/html"
     assert doc["record_type"] == "response"
     assert doc["fetched_at"].startswith("20")
