@@ -33,13 +33,17 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         ctx.enable_progress_bars = False
         # Each step prints one line of its own; Ray Data's per-dataset INFO lines go to its log files.
         logging.getLogger("ray.data").setLevel(logging.WARNING)
-        if not address:
-            # Ray's default hash shuffle starts aggregator actors for every groupby
-            # (seconds each on a small machine); dedup runs several groupbys, so a
-            # single machine uses the sort-based shuffle. Clusters keep the default.
-            ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+        # Dedup's groupbys use the sort-based shuffle: Ray's hash shuffle starts
+        # aggregator actors for every groupby (seconds each on a small machine), and
+        # its reducers fail on dedup's union of rows with different schemas.
+        ctx.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
         log.info("Ray connected: %s", address or "local")
     resources = ray.cluster_resources()
+    if not getattr(ensure_ray, "_announced", False) and os.environ.get("RAY_ADDRESS"):
+        nodes = len([n for n in ray.nodes() if n.get("Alive")])
+        print(f"[ray] connected to {os.environ['RAY_ADDRESS']}: {nodes} nodes, {resources.get('CPU', 0):g} CPUs",
+              flush=True)
+        ensure_ray._announced = True
     return {
         "address": os.environ.get("RAY_ADDRESS") or "local",
         "cpus": resources.get("CPU", 0),
