@@ -26,7 +26,8 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         if address:
             kwargs["address"] = address
         else:
-            kwargs.update(include_dashboard=False, num_cpus=num_cpus)
+            # "local": a new instance, never a cluster some earlier `ray start` left on this machine.
+            kwargs.update(address="local", include_dashboard=False, num_cpus=num_cpus)
         ray.init(**kwargs)
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()

@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,26 @@ def wait_http(url: str, timeout: float = 180.0) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
 
 
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def wait_nodes(env: dict, address: str, count: int, timeout: float = 240.0) -> None:
+    probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+             "print(len([n for n in ray.nodes() if n['Alive']]))")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        proc = subprocess.run([sys.executable, "-c", probe, address], env=env, capture_output=True, text=True,
+                              timeout=180)
+        if proc.returncode == 0 and proc.stdout.strip().splitlines()[-1:] == [str(count)]:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"the Ray cluster at {address} did not reach {count} nodes")
+
+
 @pytest.fixture
 def services(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
@@ -53,31 +74,39 @@ def services(tmp_path):
 
     def start(name, cmd):
         out = open(logs / f"{name}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                      start_new_session=True))
 
     start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
                      "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
                      "--artifacts-destination", (tmp_path / "artifacts").as_uri(), "--workers", "1"])
     start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)])
-    ray = [str(BIN / "ray"), "start", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
-    subprocess.run(ray + ["--head", "--port", str(ray_port), "--include-dashboard", "false"],
-                   env=env, check=True, capture_output=True, timeout=300)
-    subprocess.run(ray + ["--address", f"127.0.0.1:{ray_port}"], env=env, check=True, capture_output=True, timeout=300)
+    # Each Ray node runs in the foreground (--block) in a process group of its own, so the
+    # teardown stops exactly this cluster (`ray stop` would also stop the test session's Ray).
+    ray = [str(BIN / "ray"), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+           "--disable-usage-stats"]
+    start("ray-head", ray + ["--head", "--port", str(ray_port), "--include-dashboard", "false"])
+    start("ray-worker", ray + ["--address", f"127.0.0.1:{ray_port}"])
     try:
+        wait_nodes(env, f"127.0.0.1:{ray_port}", 2)
         wait_http(f"http://127.0.0.1:{mlflow_port}/health")
         wait_http(f"http://127.0.0.1:{prefect_port}/api/health")
         env.update(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{mlflow_port}",
                    PREFECT_API_URL=f"http://127.0.0.1:{prefect_port}/api", RAY_ADDRESS=f"127.0.0.1:{ray_port}")
         yield env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
-        for p in procs:
-            p.terminate()
+        for p in reversed(procs):
+            signal_group(p, signal.SIGTERM)
         for p in procs:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.kill()
+                pass
+            signal_group(p, signal.SIGKILL)  # whatever the node left behind in its group
+        # `ray start` records its cluster as this machine's default; forget the stopped one.
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip().endswith(f":{ray_port}"):
+            current.unlink()
 
 
 @pytest.mark.slow
