@@ -17,36 +17,53 @@ from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks import data as t
 
 
-def resolve_inputs(inputs: list[str]) -> list[str]:
-    from crawl2chat.stages.warc_input import list_input_files
-
-    return list_input_files(inputs) if inputs else []
+def build_settings(data) -> dict:
+    """The data settings that shape a version's content (not where it is written)."""
+    return data.model_dump(mode="json", exclude={"out", "inputs", "seed_urls", "refresh", "crawl", "review"})
 
 
 def run_data_pipeline(config: Config) -> dict:
-    """Run every data step inside the current flow; returns the manifest."""
+    """Build the next dataset version inside the current flow; returns its manifest.
+
+    With ``data.refresh`` only the input files no earlier version has read go
+    through the steps (a re-crawl's new WARC files), deduplicated against every
+    earlier version; otherwise every input file is read into a new chain. A
+    build whose inputs and settings equal the current version's does nothing.
+    """
     data = config.data
     out = str(Path(data.out).resolve())
-    work = str(Path(out) / "work")
-    files = resolve_inputs(data.inputs)
+    files = t.list_inputs(data.inputs)
     if data.seed_urls or not data.inputs:
         crawl_cfg = data.crawl.model_copy(update={"seed_urls": data.seed_urls or data.crawl.seed_urls})
         files += t.crawl_task(crawl_cfg, out)
-    extracted = t.extract_task(files, work, data.extract)
+    plan = t.plan_version_task(out, files, build_settings(data), data.refresh, data.previous_index)
+    if plan.up_to_date:
+        return t.current_version_task(out, plan)
+    what = f"refresh: {len(plan.files)} new input files" if plan.refresh else f"{len(plan.files)} input files"
+    print(f"[data] building {plan.name} ({what}) -> {out}", flush=True)
+    work = plan.work_dir
+    extracted = t.extract_task(plan.files, work, data.extract)
     identified = t.langid_task(extracted, work, data.langid)
     filtered = t.quality_task(identified, work, data.quality)
-    deduped = t.dedup_task(filtered, work, data.dedup, data.previous_index)
-    balanced = t.balance_task(deduped, work, data.balance)
+    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index)
+    balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"))
     manifest = t.write_task(
-        [extracted, identified, filtered, deduped, balanced], out, data.shard_bytes, config.model_dump(mode="json")
+        [extracted, identified, filtered, deduped, balanced], out, data.shard_bytes, config.model_dump(mode="json"),
+        plan,
     )
     t.review_task(out, data.review)
     return manifest
 
 
 @flow(name="data")
-def data_flow(config: Config = Config()) -> dict:
-    """Web pages to clean, language-tagged, deduplicated Parquet shards."""
+def data_flow(config: Config = Config(), refresh: bool = False) -> dict:
+    """Web pages to clean, language-tagged, deduplicated Parquet shards, as a new dataset version.
+
+    ``refresh``: re-crawl with conditional requests and add only new or changed
+    pages, deduplicated against every earlier version (same as ``data.refresh``).
+    """
+    if refresh:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"refresh": True})})
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("data", {"data": config.data.model_dump(mode="json")}):
         return run_data_pipeline(config)

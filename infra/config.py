@@ -44,13 +44,19 @@ class DataConfig(BaseModel):
         description="Crawl these first. With neither inputs nor seed URLs, the local Python "
         "documentation server is crawled.",
     )
-    out: str = Field("runs/data", description="Output folder: shards/, rejected/, manifest.json.")
+    out: str = Field("runs/data", description="Output folder: manifest.json, shards/, rejected/, versions/.")
     shard_bytes: int = Field(
         128 * 2**20, gt=0, description="Upper bound of text bytes per Parquet shard."
     )
+    refresh: bool = Field(
+        False,
+        description="Add a version to the dataset in `out`: read only input files no earlier version read "
+        "(a re-crawl's new and changed pages) and deduplicate them against every earlier version. "
+        "Without it, every input is read into a new version that stands alone.",
+    )
     previous_index: list[str] = Field(
         default_factory=list,
-        description="Dedup index folders of earlier dataset versions to deduplicate against.",
+        description="Further dedup index folders (e.g. another dataset's versions/<v>/dedup_index) to deduplicate against.",
     )
     crawl: CrawlConfig = Field(default_factory=CrawlConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)

@@ -31,6 +31,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
+from crawl2chat.stages.dataset_versions import (
+    MANIFEST,
+    VERSIONS_DIR,
+    VersionPlan,
+    content_digest,
+    file_identity,
+    sha256_file,
+    write_json_atomically,
+)
 from crawl2chat.stages.ray_blocks import (
     DEDUP_COLUMNS,
     EXTRACT_COLUMNS,
@@ -380,14 +389,22 @@ def _apply_balance(batch: pa.Table, by: str, weights: dict[str, float], mode: st
     return pa.Table.from_pylist(out, schema=schema)
 
 
-def balance_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    """Compute per-group keep rates and mark thinned documents (they are quarantined too)."""
+def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str, Any] | None = None) -> StepResult:
+    """Compute per-group weights and mark thinned documents (they are quarantined too).
+
+    ``prior`` holds the group counts of the versions a refresh extends
+    (``{"docs": ..., "sizes": ...}``): weights follow the whole dataset, not
+    only the pages this version adds.
+    """
     from crawl2chat.stages.balance import group_weights
 
-    fp = fingerprint("balance", upstream.fingerprint, cfg.model_dump())
+    prior = prior or {}
+    fp = fingerprint("balance", upstream.fingerprint, cfg.model_dump(), prior)
 
     def build(tmp: str) -> dict[str, Any]:
-        docs, sizes = _group_sizes(upstream.out_dir, cfg.by, cfg.size_unit)
+        new_docs, new_sizes = _group_sizes(upstream.out_dir, cfg.by, cfg.size_unit)
+        docs = dict(Counter(prior.get("docs", {})) + Counter(new_docs))
+        sizes = {k: prior.get("sizes", {}).get(k, 0.0) + new_sizes.get(k, 0.0) for k in docs}
         weights = group_weights(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
         if upstream.kept:
             ds = read_kept(upstream.out_dir).map_batches(
@@ -396,7 +413,7 @@ def balance_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
                 fn_kwargs={"by": cfg.by, "weights": weights, "mode": cfg.mode, "seed": cfg.seed},
             )
             _write(ds, tmp)
-        return {"groups": docs, "group_sizes": sizes, "sample_weights": weights}
+        return {"groups": docs, "group_sizes": sizes, "version_groups": new_docs, "sample_weights": weights}
 
     return run_step("balance", work_dir, fp, build)
 
@@ -416,25 +433,30 @@ def write_dataset(
     out_dir: str,
     shard_bytes: int,
     config: dict[str, Any],
+    plan: VersionPlan | None = None,
 ) -> dict[str, Any]:
-    """Final shards, the quarantine of dropped documents, and ``manifest.json``.
+    """Commit a dataset version: its shards, the quarantine of what it dropped, its manifest.
 
     ``steps`` are the step results in order; the last one holds the kept
-    documents. Shards are written to a temporary folder and swapped in whole.
+    documents. Without a ``plan`` the version is ``v0001`` of a new chain. The
+    version's files are written to a temporary folder and moved into ``shards/``
+    and ``rejected/`` under names carrying the version; the manifest, renamed
+    into place last, commits them. Earlier versions' files are never touched.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    plan = plan or VersionPlan("v0001", str(out / "work"), [], False, "")
+    version, base = plan.name, plan.base or {}
     last = steps[-1]
     tmp = out / f".write.tmp-{uuid.uuid4().hex[:8]}"
     (tmp / "shards").mkdir(parents=True)
     (tmp / "rejected").mkdir(parents=True)
     try:
-        kept_bytes = last.bytes_in
         if last.kept:
-            n_shards = max(1, -(-kept_bytes // max(shard_bytes, 1)))
+            n_shards = max(1, -(-last.bytes_in // max(shard_bytes, 1)))
             ds = read_kept(last.out_dir).select_columns(list(SHARD_COLUMNS))
             ds.repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
-        shards = _rename_in_order(tmp / "shards", "shard")
+        new_shards = _rename_in_order(tmp / "shards", f"{version}-shard")
 
         # Step folders differ in columns, so each is mapped to the quarantine schema first.
         rejected = [
@@ -443,37 +465,64 @@ def write_dataset(
             if sum(s.dropped.values())
         ]
         if rejected:
-            rejected[0].union(*rejected[1:]).write_parquet(str(tmp / "rejected"), compression="zstd")
-        _rename_in_order(tmp / "rejected", "rejected")
+            quarantine = rejected[0].union(*rejected[1:]) if len(rejected) > 1 else rejected[0]
+            quarantine.write_parquet(str(tmp / "rejected"), compression="zstd")
+        new_rejected = _rename_in_order(tmp / "rejected", f"{version}-rejected")
 
-        digest = hashlib.sha256()
-        shard_info = []
-        for shard in shards:
-            digest.update(shard.read_bytes())
-            shard_info.append({"path": f"shards/{shard.name}", "rows": pq.ParquetFile(shard).metadata.num_rows,
-                               "bytes": shard.stat().st_size})
+        shard_info = [
+            {"path": f"shards/{p.name}", "rows": pq.ParquetFile(p).metadata.num_rows, "bytes": p.stat().st_size,
+             "sha256": sha256_file(p), "version": version}
+            for p in new_shards
+        ]
+        shards = list(base.get("shards", [])) + shard_info
+        version_dir = tmp / "version"
+        version_dir.mkdir()
+        indexes = list(base.get("dedup_indexes", []))
+        dedup = next((s for s in steps if s.name == "dedup"), None)
+        if dedup and os.path.isdir(os.path.join(dedup.out_dir, "_index")):
+            shutil.copytree(os.path.join(dedup.out_dir, "_index"), version_dir / "dedup_index")
+            indexes.append(f"{VERSIONS_DIR}/{version}/dedup_index")
         drops: Counter[str] = Counter()
         for s in steps:
             drops.update(s.dropped)
-        files = next((s.extra.get("files") for s in steps if s.name == "extract"), [])
+        files = next((s.extra.get("files") for s in steps if s.name == "extract"), []) or []
+        balance = next((s.extra for s in steps if s.name == "balance"), {})
         manifest = {
-            "documents_kept": sum(s["rows"] for s in shard_info),
+            "version": version,
+            "base_version": base.get("version"),
+            "refresh": plan.refresh,
+            "versions": list(base.get("versions", [])) + [version],
+            "documents_kept": sum(s["rows"] for s in shards),
+            "version_documents_kept": sum(s["rows"] for s in shard_info),
             "documents_dropped": sum(drops.values()),
             "drop_reasons": dict(sorted(drops.items())),
             "steps": [s.to_dict() for s in steps],
             "files": files,
             "unreadable_files": [f for f in files if not f["ok"]],
-            "shards": shard_info,
-            "content_digest": "sha256:" + digest.hexdigest(),
+            "input_files": list(base.get("input_files", [])) + [file_identity(f["path"]) for f in files],
+            "shards": shards,
+            "rejected": list(base.get("rejected", [])) + [f"rejected/{p.name}" for p in new_rejected],
+            "dedup_indexes": indexes,
+            "balance_groups": {"docs": balance.get("groups", {}), "sizes": balance.get("group_sizes", {})},
+            "content_digest": content_digest(shards),
+            "build_fingerprint": plan.fingerprint,
             "config": config,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-        for name in ("shards", "rejected", "manifest.json"):
+        (version_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        for name, new_files in (("shards", new_shards), ("rejected", new_rejected)):
             target = out / name
-            if target.is_dir():
-                shutil.rmtree(target)
-            os.replace(tmp / name, target)
+            target.mkdir(exist_ok=True)
+            for stale in target.glob(f"{version}-*.parquet"):  # left by a killed build of this version
+                stale.unlink()
+            for f in new_files:
+                os.replace(f, target / f.name)
+        final_version = out / VERSIONS_DIR / version
+        final_version.parent.mkdir(exist_ok=True)
+        if final_version.exists():
+            shutil.rmtree(final_version)
+        os.replace(version_dir, final_version)
+        write_json_atomically(out / MANIFEST, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if manifest["documents_kept"] == 0:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from crawl2chat.stages.dataset_versions import read_manifest
+
 
 class ReviewConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -36,17 +38,28 @@ def _excerpt(text: str | None, max_chars: int) -> str:
     return "\n".join("> " + line if line.strip() else ">" for line in text.splitlines()) or "> (empty)"
 
 
-def _read(folder: Path, columns: list[str]) -> list[dict]:
-    files = sorted(folder.glob("*.parquet"))
+def _read(files: list[Path], columns: list[str]) -> list[dict]:
     return pq.read_table(files, columns=columns).to_pylist() if files else []
 
 
+def _version_files(out: Path) -> tuple[list[Path], list[Path]]:
+    """Shards and quarantine files the current version added (all files of a folder without a manifest)."""
+    manifest = read_manifest(out)
+    if not manifest or "version" not in manifest:
+        return sorted((out / "shards").glob("*.parquet")), sorted((out / "rejected").glob("*.parquet"))
+    version = manifest["version"]
+    shards = [out / s["path"] for s in manifest["shards"] if s.get("version") == version]
+    rejected = [out / r for r in manifest.get("rejected", []) if Path(r).name.startswith(f"{version}-")]
+    return shards, rejected
+
+
 def write_review(out_dir: str | Path, cfg: ReviewConfig) -> Path:
-    """Write ``OUT/review.md`` from ``OUT/shards`` and ``OUT/rejected``; returns its path."""
+    """Write ``OUT/review.md`` from the shards and quarantine of the current version; returns its path."""
     out = Path(out_dir)
     rng = random.Random(cfg.seed)
-    kept = _read(out / "shards", ["id", "url", "lang", "quality_score", "text"])
-    rejected = _read(out / "rejected", ["id", "url", "reason", "lang", "text"])
+    shard_files, rejected_files = _version_files(out)
+    kept = _read(shard_files, ["id", "url", "lang", "quality_score", "text"])
+    rejected = _read(rejected_files, ["id", "url", "reason", "lang", "text"])
     by_reason: dict[str, list[dict]] = defaultdict(list)
     for row in rejected:
         by_reason[row["reason"]].append(row)

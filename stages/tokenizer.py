@@ -14,10 +14,11 @@ and bits per byte stay comparable across tokenizers of different sizes.
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 from typing import Iterator
+
+from crawl2chat.stages.dataset_versions import shard_files  # noqa: F401 - the shards readers use
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -35,17 +36,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-
-
-def shard_files(source: str | os.PathLike) -> list[Path]:
-    """Parquet shards of a data-stage output folder (``DIR/shards/*.parquet``,
-    or ``DIR/*.parquet`` for a bare folder of shards), sorted for determinism."""
-    src = Path(source)
-    for pattern in ("shards/*.parquet", "*.parquet"):
-        files = sorted(Path(p) for p in glob.glob(str(src / pattern)))
-        if files:
-            return files
-    raise FileNotFoundError(f"no Parquet shards under {src}/shards/ or {src}/")
 
 
 def is_text_file(source: str | os.PathLike) -> bool:

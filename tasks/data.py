@@ -22,6 +22,8 @@ from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
 from crawl2chat.stages import data_pipeline as steps
 from crawl2chat.stages.data_pipeline import StepResult
+from crawl2chat.stages.dataset_versions import VERSIONS_DIR, VersionPlan, plan_version
+from crawl2chat.infra.datasets import dataset_entity
 
 
 def metric_name(text: str) -> str:
@@ -158,21 +160,68 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
 
 
 @_step_task("balance")
-def balance_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    return _recorded_step("balance", {"balance": cfg.model_dump()}, lambda: steps.balance_step(upstream, work_dir, cfg),
+def balance_task(upstream: StepResult, work_dir: str, cfg: Any, prior: dict | None = None) -> StepResult:
+    return _recorded_step("balance", {"balance": cfg.model_dump()},
+                          lambda: steps.balance_step(upstream, work_dir, cfg, prior),
                           lambda result: mlflow.log_dict(result.extra, "balance.json"))
 
 
+def list_inputs(inputs: Sequence[str]) -> list[str]:
+    """The WARC/WET files named by files, folders and fsspec URLs."""
+    from crawl2chat.stages.warc_input import list_input_files
+
+    return list_input_files(list(inputs)) if inputs else []
+
+
+@task(name="plan-version", cache_policy=NO_CACHE)
+def plan_version_task(out_dir: str, files: Sequence[str], settings: dict, refresh: bool,
+                      extra_index: Sequence[str]) -> VersionPlan:
+    """Which files the next dataset version reads, and what it extends."""
+    return plan_version(out_dir, list(files), settings, refresh, list(extra_index))
+
+
+RUN_FILE = "mlflow_run.json"  # beside a version's manifest: the write run that committed it
+
+
+@task(name="current-version", cache_policy=NO_CACHE)
+def current_version_task(out_dir: str, plan: VersionPlan) -> dict:
+    """The current version already is this build: report it, and hand on its write run for lineage."""
+    manifest = dict(plan.up_to_date or {})
+    version = manifest.get("version")
+    try:
+        manifest["mlflow_run_id"] = json.loads(
+            (Path(out_dir) / VERSIONS_DIR / str(version) / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        manifest["mlflow_run_id"] = None
+    why = "no new input files" if plan.refresh else "same inputs and settings"
+    print(f"[data] {out_dir} is up to date at {version} ({why}): {manifest.get('documents_kept')} documents",
+          flush=True)
+    return manifest
+
+
+def log_dataset(manifest: dict, out_dir: str, context: str) -> None:
+    """The dataset version as an MLflow dataset input of the active run (digest, source, size)."""
+    mlflow.log_input(dataset_entity(manifest, out_dir), context=context)
+
+
 @_step_task("write")
-def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, config: dict) -> dict:
+def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, config: dict,
+               plan: VersionPlan | None = None) -> dict:
     ensure_ray()
     with stage_run("write", {"shard_bytes": shard_bytes, "out": out_dir}) as run:
         try:
-            manifest = steps.write_dataset(list(results), out_dir, shard_bytes, config)
+            manifest = steps.write_dataset(list(results), out_dir, shard_bytes, config, plan)
         finally:
             manifest_path = Path(out_dir) / "manifest.json"
             if manifest_path.exists():
                 mlflow.log_artifact(str(manifest_path))
+        version_dir = Path(out_dir) / VERSIONS_DIR / manifest["version"]
+        (version_dir / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id,
+                                                        "tracking_uri": mlflow.get_tracking_uri()}))
+        mlflow.set_tags({"crawl2chat.data_version": manifest["version"],
+                         "crawl2chat.data_base_version": str(manifest.get("base_version"))})
+        mlflow.log_metric("version_documents_kept", manifest["version_documents_kept"])
+        log_dataset(manifest, out_dir, context="output")
         mlflow.log_metrics(
             {"documents_kept": manifest["documents_kept"], "documents_dropped": manifest["documents_dropped"],
              "shards": len(manifest["shards"])}
@@ -186,8 +235,8 @@ def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, co
                    {"documents kept": manifest["documents_kept"], "documents dropped": manifest["documents_dropped"],
                     "shards": len(manifest["shards"]), "content digest": manifest["content_digest"]})
         manifest["mlflow_run_id"] = run.info.run_id  # returned for lineage, not written to disk
-    print(f"[data] write    {manifest['documents_kept']:>7} documents in {len(manifest['shards'])} shards "
-          f"-> {out_dir}/shards", flush=True)
+    print(f"[data] write    {manifest['version']}: {manifest['version_documents_kept']} new documents, "
+          f"{manifest['documents_kept']} in {len(manifest['shards'])} shards -> {out_dir}/manifest.json", flush=True)
     return manifest
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from crawl2chat.infra.config import load_config
 from crawl2chat.stages import data_pipeline as steps
+from crawl2chat.stages.dataset_versions import shard_files
 from crawl2chat.stages.review import write_review
 from crawl2chat.stages.warc_input import list_input_files
 
@@ -51,7 +52,7 @@ def pipeline_run(shared_data, ray_local, tmp_path_factory):
 
 def test_shards_have_the_promised_columns_and_languages(pipeline_run):
     _, _, out, _, manifest = pipeline_run
-    shards = sorted((out / "shards").glob("shard-*.parquet"))
+    shards = shard_files(out)
     assert shards and manifest["shards"]
     table = pq.read_table(shards)
     assert SHARD_COLUMNS <= set(table.column_names)

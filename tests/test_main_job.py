@@ -38,7 +38,7 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
         assert line in out
 
     home = tmp_path / ".crawl2chat"
-    shards = list((tmp_path / "runs" / "data" / "shards").glob("shard-*.parquet"))
+    shards = list((tmp_path / "runs" / "data" / "shards").glob("v0001-shard-*.parquet"))
     assert shards
     model_dir = tmp_path / "runs" / "pretrain" / "model"
     assert (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()

@@ -1,12 +1,16 @@
-"""The data flow against real services started as processes on 127.0.0.1: a Prefect
-server, an MLflow tracking server (SQLite backend) and a Ray cluster of a head and a
-worker node with token authentication. The flow runs through the CLI with
-PREFECT_API_URL, MLFLOW_TRACKING_URI and RAY_ADDRESS pointing at them."""
+"""The data and pretraining flows against real services started as processes on
+127.0.0.1: a Prefect server, an MLflow tracking server (SQLite backend, artifacts
+served through it) and a Ray cluster of a head and a worker node with token
+authentication. The flows run through the CLI with PREFECT_API_URL,
+MLFLOW_TRACKING_URI and RAY_ADDRESS pointing at them; the services are started
+once for the module and shared by its tests."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import secrets
 import shutil
 import signal
@@ -61,8 +65,9 @@ def wait_nodes(env: dict, address: str, count: int, timeout: float = 240.0) -> N
     raise TimeoutError(f"the Ray cluster at {address} did not reach {count} nodes")
 
 
-@pytest.fixture
-def services(tmp_path):
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("services")
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
                PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
@@ -79,7 +84,9 @@ def services(tmp_path):
 
     start("mlflow", [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
                      "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                     "--artifacts-destination", (tmp_path / "artifacts").as_uri(), "--workers", "1"])
+                     # Artifacts go through the server (mlflow-artifacts:/ URIs), stored under tmp_path.
+                     "--serve-artifacts", "--artifacts-destination", (tmp_path / "artifacts").as_uri(),
+                     "--workers", "1"])
     start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)])
     # Each Ray node runs in the foreground (--block) in a process group of its own, so the
     # teardown stops exactly this cluster (`ray stop` would also stop the test session's Ray).
@@ -144,3 +151,105 @@ def test_data_flow_on_real_services(services, shared_data, tmp_path):
     stages = {r.data.tags.get("crawl2chat.stage") for r in found}
     assert {"extract", "langid", "quality", "dedup", "balance", "write", "review"} <= stages
     assert shutil.which("ray") or (BIN / "ray").exists()
+
+
+def english_corpus(n_sentences: int = 900, seed: int = 7) -> str:
+    """A few tens of KB of varied English sentences, so the test never needs shared data."""
+    rng = random.Random(seed)
+    subjects = ("the old fisherman", "a young teacher", "my neighbour", "the small dog", "our team", "the river",
+                "a quiet student", "the baker", "every traveller", "the city council", "her brother", "the wind")
+    verbs = ("walked along", "looked at", "painted", "talked about", "carried", "remembered", "followed",
+             "cleaned", "counted", "visited", "described", "forgot")
+    objects = ("the narrow bridge", "a bright red kite", "the morning market", "three wooden boxes",
+               "the harbour lights", "an old map of the valley", "the garden behind the school", "fresh bread",
+               "the mountain path", "a letter from abroad", "the broken clock", "the evening news")
+    endings = ("before sunrise", "after the long rain", "with great care", "without saying a word",
+               "while the bells rang", "on a cold Tuesday", "because nobody else would", "for the first time",
+               "near the station", "as the children laughed")
+    paragraphs, sentences = [], []
+    for i in range(n_sentences):
+        sentence = f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(endings)}."
+        if rng.random() < 0.3:
+            sentence += f" It was {rng.choice(('strange', 'lovely', 'tiring', 'quiet', 'noisy'))}, " \
+                        f"{rng.choice(('they said', 'she wrote', 'he thought', 'we agreed'))}."
+        sentences.append(sentence[0].upper() + sentence[1:])
+        if len(sentences) >= rng.randint(3, 7):
+            paragraphs.append(" ".join(sentences))
+            sentences = []
+    paragraphs.append(" ".join(sentences))
+    return "\n\n".join(p for p in paragraphs if p) + "\n"
+
+
+def prefect_flow_runs(api: str, body: dict) -> list[dict]:
+    request = urllib.request.Request(api + "/flow_runs/filter", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.slow
+def test_training_flow_on_real_services(services, tmp_path):
+    env = services
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(english_corpus(), encoding="utf-8")
+    assert corpus.stat().st_size > 20_000
+
+    # A tiny model for 20 steps, evaluated at step 10 and at the end.
+    settings = ["vocab_size=512", "seq_len=64", "micro_batch_size=4", "warmup_steps=2", "eval_every=10",
+                "eval_batches=4", "checkpoint_every=10", "val_fraction=0.1", "log_every=1"]
+    cmd = [sys.executable, "-m", "crawl2chat.cli", "pretrain", "--data", str(corpus), "--out", str(tmp_path / "out"),
+           "--preset", "tiny", "--max-steps", "20", "--set", f"home={tmp_path / 'home'}"]
+    for item in settings:
+        cmd += ["--set", f"pretrain.train.{item}"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The summary the command prints is the source of truth for where things went.
+    model_dir = re.search(r"^base model: (.+)$", proc.stdout, re.M)
+    model_uri = re.search(r"^\s*MLflow: (models:/crawl2chat-base/\d+)\s*$", proc.stdout, re.M)
+    assert model_dir and model_uri, proc.stdout[-3000:]
+    assert (Path(model_dir.group(1).strip()) / "config.json").exists()
+    assert re.search(r", 20 steps$", proc.stdout, re.M), proc.stdout[-3000:]
+    # With a tracking server set, nothing is tracked in the local SQLite fallback.
+    assert not (tmp_path / "home" / "mlflow.db").exists()
+
+    # Prefect: the server lists a completed run of the `pretrain` flow.
+    runs = prefect_flow_runs(env["PREFECT_API_URL"], {"flows": {"name": {"any_": ["pretrain"]}}})
+    assert runs and any(run["state_type"] == "COMPLETED" for run in runs), [r["state_type"] for r in runs]
+
+    # MLflow: a `pretrain` child run under a `pretrain` parent, with per-step curves.
+    import mlflow
+    from mlflow import MlflowClient
+
+    mlflow.set_tracking_uri(env["MLFLOW_TRACKING_URI"])
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("crawl2chat")
+    assert experiment is not None
+    # Artifacts are proxied by the server, not written to a path the client sees.
+    assert experiment.artifact_location.startswith("mlflow-artifacts:"), experiment.artifact_location
+    stage_runs = client.search_runs([experiment.experiment_id], "tags.`crawl2chat.stage` = 'pretrain'")
+    assert len(stage_runs) == 1, [r.info.run_id for r in stage_runs]
+    run = stage_runs[0]
+    assert run.info.status == "FINISHED"
+    parent_id = run.data.tags.get("mlflow.parentRunId")
+    assert parent_id, run.data.tags
+    parent = client.get_run(parent_id)
+    assert parent.data.tags.get("crawl2chat.pipeline") == "pretrain" and parent.info.status == "FINISHED"
+    loss = client.get_metric_history(run.info.run_id, "loss")
+    assert len({m.step for m in loss}) > 1, loss
+    assert max(m.step for m in loss) == 20
+    val_loss = client.get_metric_history(run.info.run_id, "val_loss")
+    assert val_loss and all(m.value == m.value and m.value > 0 for m in val_loss)
+    assert "val_bpb" in run.data.metrics
+
+    # Model registry: `crawl2chat-base@current` is the version the command printed,
+    # made by this run, and its files download through the server.
+    version = client.get_model_version_by_alias("crawl2chat-base", "current")
+    assert model_uri.group(1) == f"models:/crawl2chat-base/{version.version}"
+    assert version.run_id == run.info.run_id
+    assert version.source.startswith("mlflow-artifacts:"), version.source
+    for name, uri in (("source", version.source), ("run", f"runs:/{run.info.run_id}/model"),
+                      ("alias", "models:/crawl2chat-base@current")):
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp_path / "dl" / name)))
+        files = {p.name for p in local.rglob("*") if p.is_file()}
+        assert "config.json" in files, (name, files)
+        assert any(f.endswith(".safetensors") for f in files), (name, files)
