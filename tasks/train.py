@@ -9,6 +9,7 @@ folder, and registers the model with lineage tags.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from crawl2chat.infra.datasets import dataset_entity, file_dataset
 from crawl2chat.infra.launch import accelerate_command, run_streaming
 from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.tracking import stage_run
@@ -216,21 +218,112 @@ def evaluate_causal_lm(model_dir: str, eval_data: str | None, chat: bool, val_fr
     return evaluate_model(model_dir, texts, mc_tasks=50 if texts else 0, max_tokens=50_000, chat=chat)
 
 
-def record_training(stage: str, out: str, settings: dict[str, Any], launch: Callable[[str, Callable], Any],
+def input_identity(path: str) -> str:
+    """What a stage input is, independent of where it lies: a dataset version by its
+    content digest, a model folder by the key of the run that made it (else by its
+    files), a data file by its sha256."""
+    from crawl2chat.infra.datasets import file_digest
+
+    p = Path(path).resolve()
+    if p.is_dir():
+        manifest = p / "manifest.json"
+        if manifest.exists():
+            return json.loads(manifest.read_text()).get("content_digest", "")
+        run_file = p.parent / RUN_FILE
+        if run_file.exists():
+            return "run:" + json.loads(run_file.read_text())["key"]
+        digest = hashlib.sha256()
+        for f in sorted(p.glob("*")):
+            if f.is_file() and f.suffix in (".safetensors", ".json"):
+                digest.update(f.name.encode() + b"\0" + file_digest(f).encode())
+        return "files:" + digest.hexdigest()
+    return "sha256:" + file_digest(p)
+
+
+RUN_FILE = "run.json"  # in a run folder: the stage, its key, inputs and settings
+DONE_FILE = "summary.json"  # in a finished run folder: the summary and its MLflow run
+
+
+def run_folder(out: str | Path, stage: str, inputs: dict[str, str], settings: dict[str, Any]) -> Path:
+    """``OUT/<key>``: the run folder of this stage on these inputs with these settings.
+
+    Changed data or settings give a new key, so a new run starts beside the old
+    one; the same key resumes (or, finished, reuses) the run. ``OUT/model`` links
+    to the newest finished run's model.
+    """
+    identities = {role: input_identity(path) for role, path in sorted(inputs.items()) if path}
+    key = hashlib.sha256(json.dumps([stage, identities, settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    run_dir = Path(out).resolve() / key
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / RUN_FILE).exists():
+        payload = {"stage": stage, "key": key, "inputs": inputs, "identities": identities, "settings": settings}
+        tmp = run_dir / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps(payload, indent=2, default=str))
+        os.replace(tmp, run_dir / RUN_FILE)
+    return run_dir
+
+
+def link_latest(out: str | Path, run_dir: Path) -> None:
+    """Point ``OUT/model`` (and ``OUT/latest``) at a finished run, atomically."""
+    for name, target in (("latest", run_dir.name), ("model", f"{run_dir.name}/model")):
+        link = Path(out) / name
+        if link.exists() and not link.is_symlink():
+            continue  # a folder a user put there is left alone
+        tmp = Path(out) / f".{name}.link-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
+
+
+def finished_run(run_dir: Path) -> dict | None:
+    """The summary of a run folder already trained and recorded in this tracking store."""
+    try:
+        done = json.loads((run_dir / DONE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if done.get("tracking_uri") != mlflow.get_tracking_uri():
+        return None
+    try:
+        mlflow.MlflowClient().get_run(done["run_id"])
+    except Exception:  # noqa: BLE001 - a run deleted from the store is recorded again
+        return None
+    return done
+
+
+def record_training(stage: str, out: str, settings: dict[str, Any], launch: Callable[[str, Callable, str], Any],
                     params: dict[str, Any], lineage: dict[str, str] | None, registered_name: str | None,
                     extra_artifacts: Callable[[dict], None] | None = None,
-                    evaluate: Callable[[dict], dict] | None = None) -> dict:
+                    evaluate: Callable[[dict], dict] | None = None,
+                    inputs: dict[str, str] | None = None) -> dict:
     """Run one training stage inside its MLflow child run: settings file, launch, metrics,
-    model folder, registration, lineage tags. Returns the stage's summary."""
+    model folder, registration, lineage tags. Returns the stage's summary.
+
+    The run folder is keyed by the stage's inputs and settings (:func:`run_folder`):
+    a re-triggered pipeline finds its finished stages and reuses them.
+    """
     import yaml
 
-    out_path = Path(out).resolve()
-    out_path.mkdir(parents=True, exist_ok=True)
+    inputs = inputs or {}
+    run_dir = run_folder(out, stage, inputs, settings)
+    done = finished_run(run_dir)
+    if done:
+        link_latest(out, run_dir)
+        print(f"[{stage}] already trained on these inputs with these settings: {done['model_dir']} "
+              f"(MLflow run {done['run_id']})", flush=True)
+        return done
+    out_path = run_dir
     config_file = out_path / f"{stage}_config.yaml"
     config_file.write_text(yaml.safe_dump(settings, sort_keys=False))
     with stage_run(stage, {stage: settings, **params}, tags=lineage) as run:
         follower = MetricsFollower(out_path / "metrics.jsonl", run.info.run_id)
-        launch(str(config_file), _progress_printer(stage, follower))
+        for role, path in inputs.items():
+            if path and Path(path).is_file():
+                mlflow.log_input(file_dataset(path), context=role)
+            elif path and (Path(path) / "manifest.json").exists():
+                mlflow.log_input(dataset_entity(json.loads((Path(path) / "manifest.json").read_text()), path),
+                                 context=role)
+        mlflow.set_tag("crawl2chat.run_key", run_dir.name)
+        launch(str(config_file), _progress_printer(stage, follower), str(out_path))
         follower.poll()
         summary = json.loads((out_path / "metrics.json").read_text())
         mlflow.log_metrics({k: float(v) for k, v in summary.items()
@@ -258,6 +351,9 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
         log_record(STAGE_GOALS.get(stage, stage), settings, {k: v for k, v in params.items()},
                    {k: v for k, v in {**summary, **summary.get("eval", {})}.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    summary["tracking_uri"] = mlflow.get_tracking_uri()
+    (run_dir / DONE_FILE).write_text(json.dumps(summary, indent=2, default=str))
+    link_latest(out, run_dir)
     return summary
 
 
@@ -280,8 +376,9 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
                   registered_name: str | None = "crawl2chat-base") -> dict:
     """Tokenizer + base model from the data stage's shards (or a text file)."""
 
-    def launch(config_file: str, on_line: Callable) -> None:
-        run_pretraining(data, out, config=config_file, on_line=on_line, **_launch_kw(num_processes, accelerate_config))
+    def launch(config_file: str, on_line: Callable, run_dir: str) -> None:
+        run_pretraining(data, run_dir, config=config_file, on_line=on_line,
+                        **_launch_kw(num_processes, accelerate_config))
 
     def tokenizer_artifacts(summary: dict) -> None:
         mlflow.log_artifacts(summary["tokenizer"], artifact_path="tokenizer")
@@ -290,7 +387,8 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
     summary = record_training("pretrain", out, settings, launch, {"data": data, "num_processes": num_processes},
                               lineage, registered_name, tokenizer_artifacts,
                               evaluate=lambda s: evaluate_causal_lm(s["model_dir"], data, chat=False,
-                                                                    val_fraction=settings.get("val_fraction", 0.1)))
+                                                                    val_fraction=settings.get("val_fraction", 0.1)),
+                              inputs={"data": data})
     print(f"[pretrain] val_loss {summary['val_loss']:.3f}  val_bpb {summary['val_bpb']:.3f}  "
           f"{summary.get('tokens_per_second', 0):.0f} tokens/s -> {summary['model_dir']}", flush=True)
     return summary
@@ -303,10 +401,11 @@ def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_proce
     """Supervised fine-tuning of a base model on chat data (loss on assistant tokens only)."""
     summary = record_training(
         "sft", out, settings,
-        lambda cfg, on_line: run_sft(base, data, out, config=cfg, on_line=on_line,
-                                     **_launch_kw(num_processes, accelerate_config)),
+        lambda cfg, on_line, run_dir: run_sft(base, data, run_dir, config=cfg, on_line=on_line,
+                                              **_launch_kw(num_processes, accelerate_config)),
         {"base": base, "data": data}, lineage, registered_name,
-        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
+        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True),
+        inputs={"base": base, "data": data})
     print(f"[sft] {summary.get('steps')} steps, val_loss {summary.get('val_loss', float('nan')):.3f} -> {summary['model_dir']}",
           flush=True)
     return summary
@@ -319,9 +418,9 @@ def reward_task(base: str, data: str, out: str, settings: dict[str, Any], num_pr
     """A reward model (scalar head) trained on preference pairs."""
     summary = record_training(
         "reward", out, settings,
-        lambda cfg, on_line: run_reward(base, data, out, config=cfg, on_line=on_line,
-                                        **_launch_kw(num_processes, accelerate_config)),
-        {"base": base, "data": data}, lineage, registered_name)
+        lambda cfg, on_line, run_dir: run_reward(base, data, run_dir, config=cfg, on_line=on_line,
+                                                 **_launch_kw(num_processes, accelerate_config)),
+        {"base": base, "data": data}, lineage, registered_name, inputs={"base": base, "data": data})
     print(f"[reward] eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f} -> {summary['model_dir']}", flush=True)
     return summary
 
@@ -344,10 +443,11 @@ def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[st
     """PPO of the SFT policy against the reward model, with a KL penalty to the SFT reference."""
     summary = record_training(
         "ppo", out, settings,
-        lambda cfg, on_line: run_ppo(policy, reward, prompts, out, config=cfg, on_line=on_line,
-                                     **_launch_kw(num_processes, accelerate_config)),
+        lambda cfg, on_line, run_dir: run_ppo(policy, reward, prompts, run_dir, config=cfg, on_line=on_line,
+                                              **_launch_kw(num_processes, accelerate_config)),
         {"policy": policy, "reward": reward, "prompts": prompts}, lineage, registered_name,
-        evaluate=lambda s: _evaluate_policy(s["model_dir"], policy, reward, prompts, eval_data))
+        evaluate=lambda s: _evaluate_policy(s["model_dir"], policy, reward, prompts, eval_data),
+        inputs={"policy": policy, "reward": reward, "prompts": prompts})
     print(f"[ppo] reward {summary.get('reward_mean_first', float('nan')):.3f} -> "
           f"{summary.get('reward_mean_last', float('nan')):.3f}, KL {summary.get('kl_last', float('nan')):.3f} "
           f"-> {summary['model_dir']}", flush=True)
@@ -361,10 +461,11 @@ def dpo_task(policy: str, data: str, out: str, settings: dict[str, Any], num_pro
     """Direct Preference Optimisation of the SFT policy against its frozen copy."""
     summary = record_training(
         "dpo", out, settings,
-        lambda cfg, on_line: run_dpo(policy, data, out, config=cfg, on_line=on_line,
-                                     **_launch_kw(num_processes, accelerate_config)),
+        lambda cfg, on_line, run_dir: run_dpo(policy, data, run_dir, config=cfg, on_line=on_line,
+                                              **_launch_kw(num_processes, accelerate_config)),
         {"policy": policy, "data": data}, lineage, registered_name,
-        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
+        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True),
+        inputs={"policy": policy, "data": data})
     print(f"[dpo] eval_reward_accuracy {summary.get('eval_reward_accuracy', float('nan')):.3f} -> "
           f"{summary['model_dir']}", flush=True)
     return summary

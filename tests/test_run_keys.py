@@ -1,0 +1,58 @@
+"""Training runs keyed by their inputs and settings: a re-triggered flow reuses a
+finished run, changed data starts a new run folder beside the old one."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import mlflow
+import pytest
+
+from crawl2chat.infra.config import load_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SETTINGS = {"preset": "tiny", "vocab_size": 300, "seq_len": 64, "micro_batch_size": 4, "max_steps": 6,
+            "warmup_steps": 1, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 6, "val_fraction": 0.1}
+
+
+def corpus(seed: int) -> str:
+    rng = random.Random(seed)
+    words = "the a river town market walked bridge light water boats bread farm valley garden news".split()
+    return "\n".join(" ".join(rng.choice(words) for _ in range(12)).capitalize() + "." for _ in range(600))
+
+
+def test_same_inputs_reuse_the_run_and_changed_data_starts_a_new_one(prefect_api, tmp_path, capsys):
+    from crawl2chat.flows.pipeline import pretrain_flow
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(corpus(1))
+    overrides = {"home": str(tmp_path / "home"), "pretrain.out": str(tmp_path / "pretrain"),
+                 **{f"pretrain.train.{k}": v for k, v in SETTINGS.items()}}
+    cfg = load_config(overrides=overrides)
+
+    first = pretrain_flow(cfg, str(data))
+    again = pretrain_flow(cfg, str(data))
+    assert "already trained on these inputs" in capsys.readouterr().out
+    assert again["run_id"] == first["run_id"] and again["model_dir"] == first["model_dir"]
+
+    data.write_text(corpus(2))
+    changed = pretrain_flow(cfg, str(data))
+    assert changed["model_dir"] != first["model_dir"] and changed["run_id"] != first["run_id"]
+
+    out = tmp_path / "pretrain"
+    keys = sorted(p.name for p in out.iterdir() if not p.is_symlink() and (p / "run.json").exists())
+    assert len(keys) == 2
+    # OUT/model follows the newest finished run; the old run folder stays whole.
+    assert str((out / "model").resolve()) == changed["model_dir"]
+    first_run = json.loads((out / keys[0] / "run.json").read_text())
+    assert first_run["stage"] == "pretrain" and first_run["key"] in keys
+    assert all((out / key / "model" / "model.safetensors").exists() for key in keys)
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              filter_string="tags.`crawl2chat.stage` = 'pretrain'")
+    assert {r.data.tags["crawl2chat.run_key"] for r in runs} == set(keys)
+    digests = {d.dataset.digest for r in runs for d in r.inputs.dataset_inputs}
+    assert len(digests) == 2  # the corpus before and after the change, by content
