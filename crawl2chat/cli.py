@@ -38,11 +38,13 @@ def data(
     input: Optional[list[str]] = typer.Option(None, "--input", "-i", help="WARC/WET file or folder (repeatable); local or fsspec URL."),
     seed_url: Optional[list[str]] = typer.Option(None, "--seed-url", help="Crawl from this URL first (repeatable)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Output folder."),
+    refresh: bool = typer.Option(False, "--refresh", help="Add only new/changed pages to the dataset in --out as a new version."),
     config: Optional[Path] = CONFIG_OPT,
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
-    """Web pages -> clean, language-tagged, deduplicated Parquet shards."""
-    cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out}, set_)
+    """Web pages -> clean, language-tagged, deduplicated Parquet shards (a new dataset version)."""
+    cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out,
+                         "data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.data import data_flow
     from crawl2chat.stages.data_pipeline import NothingUsableError
@@ -55,7 +57,8 @@ def data(
         _fail(str(e))
     out_dir = Path(cfg.data.out).resolve()
     typer.echo(
-        f"\n{manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.\n"
+        f"\n{manifest['version']}: {manifest['documents_kept']} documents ({manifest['version_documents_kept']} new), "
+        f"{manifest['documents_dropped']} dropped.\n"
         f"  shards:   {out_dir / 'shards'}\n  rejected: {out_dir / 'rejected'}\n"
         f"  manifest: {out_dir / 'manifest.json'}\n  review:   {out_dir / 'review.md'}\n"
         f"  MLflow:   {_mlflow_hint(cfg)}"
@@ -90,6 +93,22 @@ def pretrain(
     summary = pretrain_flow(cfg, data)
     typer.echo(f"\nbase model: {summary['model_dir']}\n  val_loss {summary['val_loss']:.4f}, "
                f"val_bpb {summary['val_bpb']:.4f}, {summary['steps']} steps\n  MLflow: {summary.get('model_uri')}")
+
+
+@app.command()
+def train(
+    data: str = typer.Option(..., "--data", help="A data-stage output folder (its current version is read)."),
+    config: Optional[Path] = CONFIG_OPT,
+    set_: Optional[list[str]] = SET_OPT,
+) -> None:
+    """Every training stage from existing shards: base model, SFT, reward model, PPO (DPO when enabled)."""
+    cfg = _load(config, {}, set_)
+    configure_prefect_env(cfg.home)
+    from crawl2chat.flows.pipeline import train_flow
+
+    result = train_flow(cfg, data)
+    typer.echo("\n".join(f"{name + ' model:':<14} {result[name]['model_dir']}"
+                          for name in ("pretrain", "sft", "reward", "ppo", "dpo") if name in result))
 
 
 def _run_stage_flow(flow_name: str, config: Optional[Path], overrides: dict, sets: Optional[list[str]], **inputs) -> dict:
@@ -166,11 +185,12 @@ def dpo(
 
 @app.command()
 def run(
+    refresh: bool = typer.Option(False, "--refresh", help="Add only new/changed pages to the existing dataset."),
     config: Optional[Path] = CONFIG_OPT,
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
     """The main job, end to end on the embedded default (local Ray, Prefect, MLflow)."""
-    cfg = _load(config, {}, set_)
+    cfg = _load(config, {"data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.pipeline import pipeline_flow
     from crawl2chat.stages.data_pipeline import NothingUsableError
@@ -183,7 +203,8 @@ def run(
     data_out = Path(result["data"])
     lines = [
         f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.",
-        f"  shards:       {data_out / 'shards'}  (manifest.json, review.md, rejected/ beside them)",
+        f"  dataset:      {data_out / 'manifest.json'}  (version {manifest['version']}, {len(manifest['shards'])} shards"
+        f" in {data_out / 'shards'}; review.md, rejected/ beside it)",
         f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})",
         f"  SFT model:    {result['sft']['model_dir']}",
         f"  reward model: {result['reward']['model_dir']}  (eval_accuracy {result['reward'].get('eval_accuracy', float('nan')):.3f})",
@@ -218,16 +239,17 @@ def lineage(
 def serve_flows(
     refresh_cron: str = typer.Option("0 3 * * *", "--refresh-cron", help="Cron schedule of the data refresh (UTC)."),
 ) -> None:
-    """Serve the pipeline, data-refresh and pretrain flows to a Prefect server (set PREFECT_API_URL)."""
+    """Serve the pipeline, data-refresh, train and pretrain flows to a Prefect server (set PREFECT_API_URL)."""
     configure_prefect_env()
     from prefect import serve
 
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.flows.pipeline import pipeline_flow, pretrain_flow
+    from crawl2chat.flows.pipeline import pipeline_flow, pretrain_flow, train_flow
 
     serve(
         pipeline_flow.to_deployment(name="pipeline"),
-        data_flow.to_deployment(name="data-refresh", cron=refresh_cron),
+        data_flow.to_deployment(name="data-refresh", cron=refresh_cron, parameters={"refresh": True}),
+        train_flow.to_deployment(name="train"),
         pretrain_flow.to_deployment(name="pretrain"),
     )
 

@@ -14,8 +14,9 @@ from prefect import flow
 
 from crawl2chat.flows.data import run_data_pipeline
 from crawl2chat.infra.config import Config
-from crawl2chat.infra.lineage import input_tags
+from crawl2chat.infra.lineage import folder_input_tags, input_tags, model_input_tags
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
+from crawl2chat.tasks.data import data_lineage
 from crawl2chat.tasks.train import demo_sets_task, dpo_task, ppo_task, pretrain_task, reward_task, sft_task
 
 
@@ -33,17 +34,35 @@ def _pretrain(config: Config, data: str, lineage: dict[str, str]) -> dict:
 
 
 @flow(name="pipeline")
-def pipeline_flow(config: Config = Config()) -> dict:
-    """Every stage end to end: web pages to shards to a base model to an aligned policy."""
+def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
+    """Every stage end to end: web pages to shards to a base model to an aligned policy.
+
+    ``refresh``: add only new or changed pages to the existing dataset as a new
+    version. Training stages whose inputs and settings are unchanged are reused.
+    """
+    if refresh:
+        config = config.model_copy(update={"data": config.data.model_copy(update={"refresh": True})})
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
         lineage = {"crawl2chat.data_digest": manifest["content_digest"], "crawl2chat.data_path": data_out,
-                   **input_tags(data=manifest["mlflow_run_id"])}
+                   "crawl2chat.data_version": str(manifest.get("version")), **input_tags(data=manifest["mlflow_run_id"])}
         base = _pretrain(config, data_out, lineage)
         post = run_post_training(config, base, data_out)
         return {"data": data_out, "manifest": manifest, "pretrain": base, **post, "run_id": run.info.run_id}
+
+
+@flow(name="train")
+def train_flow(config: Config = Config(), data: str = "runs/data") -> dict:
+    """Every training stage from an existing data-stage folder: base model, SFT, reward model, PPO (DPO)."""
+    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+    with pipeline_run("train", {"config": config.model_dump(mode="json"), "data": data}) as run:
+        data = str(Path(data).resolve())
+        lineage = {"crawl2chat.data_path": data, **data_lineage(data)}
+        base = _pretrain(config, data, lineage)
+        post = run_post_training(config, base, data)
+        return {"data": data, "pretrain": base, **post, "run_id": run.info.run_id}
 
 
 @flow(name="pretrain")
@@ -52,7 +71,7 @@ def pretrain_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("pretrain", {"pretrain": config.pretrain.model_dump(mode="json"), "data": data}):
         data = str(Path(data).resolve())
-        return _pretrain(config, data, {"crawl2chat.data_path": data})
+        return _pretrain(config, data, {"crawl2chat.data_path": data, **data_lineage(data)})
 
 
 def _stage_kw(stage) -> dict:
@@ -69,19 +88,19 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     pref_data = config.reward.data or demo["preference"]
     prompts = config.ppo.prompts or demo["prompts"]
 
-    base_tags = input_tags(base=base["run_id"])
+    base_tags = model_input_tags(base=base)
     sft = sft_task(base["model_dir"], sft_data, str(Path(config.sft.out).resolve()),
                    config.sft.train.model_dump(mode="json"), lineage=base_tags, eval_data=shards, **_stage_kw(config.sft))
     rm = reward_task(base["model_dir"], pref_data, str(Path(config.reward.out).resolve()),
                      config.reward.train.model_dump(mode="json"), lineage=base_tags, **_stage_kw(config.reward))
     policy = ppo_task(sft["model_dir"], rm["model_dir"], prompts, str(Path(config.ppo.out).resolve()),
                       config.ppo.train.model_dump(mode="json"),
-                      lineage=input_tags(sft=sft["run_id"], reward=rm["run_id"]), eval_data=shards,
+                      lineage=model_input_tags(sft=sft, reward=rm), eval_data=shards,
                       **_stage_kw(config.ppo))
     result = {"sft": sft, "reward": rm, "ppo": policy}
     if config.dpo.enabled:
         result["dpo"] = dpo_task(sft["model_dir"], config.dpo.data or pref_data, str(Path(config.dpo.out).resolve()),
-                                 config.dpo.train.model_dump(mode="json"), lineage=input_tags(sft=sft["run_id"]),
+                                 config.dpo.train.model_dump(mode="json"), lineage=model_input_tags(sft=sft),
                                  eval_data=shards, **_stage_kw(config.dpo))
     return result
 
@@ -98,7 +117,7 @@ def sft_flow(config: Config = Config(), base: str = "runs/pretrain/model", data:
     data = data or config.sft.data or ""
     return _single_stage("sft", config, {"base": base, "data": data}, lambda: sft_task(
         str(Path(base).resolve()), str(Path(data).resolve()), str(Path(config.sft.out).resolve()),
-        config.sft.train.model_dump(mode="json"), **_stage_kw(config.sft)))
+        config.sft.train.model_dump(mode="json"), lineage=folder_input_tags(base=base), **_stage_kw(config.sft)))
 
 
 @flow(name="reward")
@@ -107,7 +126,7 @@ def reward_flow(config: Config = Config(), base: str = "runs/pretrain/model", da
     data = data or config.reward.data or ""
     return _single_stage("reward", config, {"base": base, "data": data}, lambda: reward_task(
         str(Path(base).resolve()), str(Path(data).resolve()), str(Path(config.reward.out).resolve()),
-        config.reward.train.model_dump(mode="json"), **_stage_kw(config.reward)))
+        config.reward.train.model_dump(mode="json"), lineage=folder_input_tags(base=base), **_stage_kw(config.reward)))
 
 
 @flow(name="ppo")
@@ -117,7 +136,8 @@ def ppo_flow(config: Config = Config(), policy: str = "runs/sft/model", reward: 
     prompts = prompts or config.ppo.prompts or ""
     return _single_stage("ppo", config, {"policy": policy, "reward": reward, "prompts": prompts}, lambda: ppo_task(
         str(Path(policy).resolve()), str(Path(reward).resolve()), str(Path(prompts).resolve()),
-        str(Path(config.ppo.out).resolve()), config.ppo.train.model_dump(mode="json"), **_stage_kw(config.ppo)))
+        str(Path(config.ppo.out).resolve()), config.ppo.train.model_dump(mode="json"),
+        lineage=folder_input_tags(sft=policy, reward=reward), **_stage_kw(config.ppo)))
 
 
 @flow(name="dpo")
@@ -126,4 +146,4 @@ def dpo_flow(config: Config = Config(), policy: str = "runs/sft/model", data: st
     data = data or config.dpo.data or ""
     return _single_stage("dpo", config, {"policy": policy, "data": data}, lambda: dpo_task(
         str(Path(policy).resolve()), str(Path(data).resolve()), str(Path(config.dpo.out).resolve()),
-        config.dpo.train.model_dump(mode="json"), **_stage_kw(config.dpo)))
+        config.dpo.train.model_dump(mode="json"), lineage=folder_input_tags(sft=policy), **_stage_kw(config.dpo)))

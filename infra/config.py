@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from crawl2chat.stages.balance import BalanceConfig
 from crawl2chat.stages.crawl import CrawlConfig
@@ -65,6 +65,14 @@ class DataConfig(BaseModel):
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
     review: ReviewConfig = Field(default_factory=ReviewConfig)
+
+    @field_validator("out")
+    @classmethod
+    def _local_out(cls, value: str) -> str:
+        # Versions are committed by renaming folders, which object stores cannot do atomically.
+        if "://" in value:
+            raise ValueError("must be a local or mounted folder (shared by every Ray node on a cluster), not a URL")
+        return value
 
 
 def _demo_pretrain() -> PretrainConfig:

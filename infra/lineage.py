@@ -15,12 +15,34 @@ import mlflow
 from mlflow.entities import Run
 
 INPUT_PREFIX = "crawl2chat.input."
+MODEL_PREFIX = "crawl2chat.input_model."  # the registered model version a stage read, beside its run
 ROLES = ("data", "base", "sft", "reward", "policy")
 
 
 def input_tags(**runs: str | None) -> dict[str, str]:
     """``input_tags(data=run_id)`` -> the tags a stage run carries for its inputs."""
     return {f"{INPUT_PREFIX}{role}": run_id for role, run_id in runs.items() if run_id}
+
+
+def model_input_tags(**stages: dict) -> dict[str, str]:
+    """``model_input_tags(base=summary)`` -> run tags plus the model URI of each input model."""
+    tags = input_tags(**{role: summary.get("run_id") for role, summary in stages.items()})
+    tags.update({f"{MODEL_PREFIX}{role}": summary["model_uri"] for role, summary in stages.items()
+                 if summary.get("model_uri")})
+    return tags
+
+
+def folder_input_tags(**folders: str) -> dict[str, str]:
+    """Input tags for model folders given by path: the run that produced each, when
+    this tracking store has it (a folder from elsewhere is simply not linked)."""
+    tags = {}
+    for role, folder in folders.items():
+        try:
+            run = resolve_run(str(folder))
+        except Exception:  # noqa: BLE001 - an unknown folder has no lineage to record
+            continue
+        tags[f"{INPUT_PREFIX}{role}"] = run.info.run_id
+    return tags
 
 
 def resolve_run(ref: str) -> Run:
@@ -79,7 +101,8 @@ def downstream(run: Run) -> list[tuple[str, Run]]:
 def describe(run: Run) -> str:
     tags = run.data.tags
     stage = tags.get("crawl2chat.stage", run.info.run_name)
-    detail = tags.get("crawl2chat.model_dir") or tags.get("crawl2chat.data_digest") or ""
+    data = " ".join(filter(None, (tags.get("crawl2chat.data_version"), tags.get("crawl2chat.data_digest"))))
+    detail = tags.get("crawl2chat.model_dir") or data
     return f"{stage:<9} run {run.info.run_id}  {detail}".rstrip()
 
 

@@ -3,8 +3,9 @@
 Data steps call :func:`ensure_ray` before building datasets. With no address, Ray
 starts in-process on this machine with the dashboard off (it is a separate web
 server most single-machine runs do not want). With ``RAY_ADDRESS`` (for example
-``ray://head:10001`` or ``127.0.0.1:6379``) the same code runs on the cluster; the
-project's packages reach the workers through the runtime environment.
+``ray://head:10001`` or ``127.0.0.1:6379``) the same code runs on the cluster;
+every node needs crawl2chat installed (the compose image has it), since the
+functions the steps ship to workers import it there.
 """
 
 from __future__ import annotations

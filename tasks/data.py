@@ -199,6 +199,24 @@ def current_version_task(out_dir: str, plan: VersionPlan) -> dict:
     return manifest
 
 
+def data_lineage(data: str) -> dict[str, str]:
+    """Lineage tags of a training stage reading a data-stage folder: its version, digest and write run."""
+    from crawl2chat.infra.lineage import input_tags
+    from crawl2chat.stages.dataset_versions import read_manifest
+
+    manifest = read_manifest(data) if Path(data).is_dir() else None
+    if not manifest:
+        return {}
+    tags = {"crawl2chat.data_digest": manifest.get("content_digest", ""),
+            "crawl2chat.data_version": str(manifest.get("version"))}
+    try:
+        run_id = json.loads((Path(data) / VERSIONS_DIR / str(manifest.get("version")) / RUN_FILE).read_text())["run_id"]
+        tags.update(input_tags(data=run_id))
+    except (OSError, ValueError, KeyError):
+        pass
+    return tags
+
+
 def log_dataset(manifest: dict, out_dir: str, context: str) -> None:
     """The dataset version as an MLflow dataset input of the active run (digest, source, size)."""
     mlflow.log_input(dataset_entity(manifest, out_dir), context=context)

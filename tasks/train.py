@@ -20,7 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from crawl2chat.infra.datasets import dataset_entity, file_dataset
-from crawl2chat.infra.launch import accelerate_command, run_streaming
+from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
 from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.tracking import stage_run
 
@@ -366,11 +366,33 @@ STAGE_GOALS = {
 }
 
 
+# Failures a second attempt cannot fix: bad settings or data, divergence after every rollback.
+PERMANENT_ERRORS = ("TrainingDiverged", "NoUsableRows", "ConfigError", "ValueError", "FileNotFoundError",
+                    "KeyError", "TypeError")
+
+
+def retry_transient(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
+    """Retry a training launch that died of something passing (a killed process, a lost
+    peer, an out-of-memory kill); the retry resumes from the newest checkpoint."""
+    try:
+        state.result()
+    except LaunchError as e:
+        return not any(name in e.tail for name in PERMANENT_ERRORS)
+    except Exception:  # noqa: BLE001 - anything raised on this side is not the launch's
+        return False
+    return False
+
+
+def _training_task(name: str):
+    return task(name=name, retries=1, retry_delay_seconds=10, retry_condition_fn=retry_transient,
+                cache_policy=NO_CACHE)
+
+
 def _launch_kw(num_processes: int, accelerate_config: str | None) -> dict[str, Any]:
     return {"num_processes": num_processes, "accelerate_config": accelerate_config}
 
 
-@task(name="pretrain", retries=0, cache_policy=NO_CACHE)
+@_training_task("pretrain")
 def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
                   accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
                   registered_name: str | None = "crawl2chat-base") -> dict:
@@ -394,7 +416,7 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
     return summary
 
 
-@task(name="sft", retries=0, cache_policy=NO_CACHE)
+@_training_task("sft")
 def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
              accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
              registered_name: str | None = None, eval_data: str | None = None) -> dict:
@@ -411,7 +433,7 @@ def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_proce
     return summary
 
 
-@task(name="reward", retries=0, cache_policy=NO_CACHE)
+@_training_task("reward")
 def reward_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
                 accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
                 registered_name: str | None = None) -> dict:
@@ -436,7 +458,7 @@ def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_
     return result
 
 
-@task(name="ppo", retries=0, cache_policy=NO_CACHE)
+@_training_task("ppo")
 def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[str, Any], num_processes: int = 1,
              accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
              registered_name: str | None = None, eval_data: str | None = None) -> dict:
@@ -454,7 +476,7 @@ def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[st
     return summary
 
 
-@task(name="dpo", retries=0, cache_policy=NO_CACHE)
+@_training_task("dpo")
 def dpo_task(policy: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
              accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
              registered_name: str | None = None, eval_data: str | None = None) -> dict:

@@ -23,7 +23,10 @@ def test_every_deployment_entrypoint_is_a_flow():
         # Typed parameters give the Prefect UI a form: the config is a pydantic model.
         schema = flow.parameters.model_dump()
         assert "config" in schema["properties"]
+        # Every parameter a deployment sets is one the flow takes.
+        assert set(deployment.get("parameters") or {}) <= set(schema["properties"]), deployment["name"]
         names.add(deployment["name"])
-    assert {"pipeline", "data-refresh", "pretrain"} <= names
+    assert {"pipeline", "data-refresh", "train", "pretrain"} <= names
     refresh = next(d for d in spec["deployments"] if d["name"] == "data-refresh")
     assert refresh["schedules"][0]["cron"]
+    assert refresh["parameters"]["refresh"] is True
