@@ -150,13 +150,13 @@ def main() -> None:
     driver_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     header = (f"{'scale':>5} {'docs':>6} {'method':>8} {'time_s':>7} {'docs/s':>7} {'mem_rise_MiB':>12} "
               f"{'prec':>5} {'recall':>6} " + " ".join(f"rm@{int(r * 100)}%".rjust(6) for r in EDIT_RATES)
-              + f" {'cand_pairs':>10} {'rounds':>6} {'fp_unrel':>8}")
+              + f" {'cand_links':>10} {'rounds':>6} {'fp_unrel':>8}")
     print(header)
     for scale, n, method, seconds, rise, stats, q in results:
         print(f"{scale:>4}x {n:>6} {method:>8} {seconds:>7.1f} {n / seconds:>7.0f} {rise:>12.0f} "
               f"{q['precision']:>5.2f} {q['recall']:>6.2f} "
               + " ".join(f"{q['per_rate'][r]:>6.2f}" for r in EDIT_RATES)
-              + f" {stats['candidate_pairs']:>10} {stats['cc_rounds']:>6} {q['wrongly_removed_unrelated']:>8}")
+              + f" {stats['candidate_links']:>10} {stats['cc_rounds']:>6} {q['wrongly_removed_unrelated']:>8}")
     print(f"driver peak RSS: {driver_rss:.0f} MiB (shuffle strategy: {args.shuffle})")
 
 

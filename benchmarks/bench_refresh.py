@@ -197,6 +197,7 @@ def plan_corpus(files: int, pages: int, new_files: int, dup_rate: float, new_dup
     rng = random.Random(seed)
     out: list[list[Page]] = []
     first_originals: list[Page] = []
+    n_copied = 0  # copies alternate exact, near, exact, ... over the whole corpus
     for f in range(files + new_files):
         is_new = f >= files
         rate = new_dup_rate if is_new else dup_rate
@@ -209,7 +210,8 @@ def plan_corpus(files: int, pages: int, new_files: int, dup_rate: float, new_dup
             pool = first_originals + ([] if is_new else [p for p in file_pages if p.kind == "original"])
             if i in copy_slots and pool:
                 src = rng.choice(pool)
-                edits = near_edits if len([p for p in file_pages if p.kind != "original"]) % 2 else 0
+                edits = near_edits if n_copied % 2 else 0
+                n_copied += 1
                 mirror = f"https://mirror{rng.randint(1, 3)}.example.com/{'recrawl' if is_new else 'crawl'}"
                 page = copy_page(src, f"{mirror}/f{f:03d}/copy-{i:04d}.html", rng, edits)
             else:
@@ -378,22 +380,16 @@ def report(args, v1: RunResult, refresh: RunResult, full: RunResult, by_url: dic
     print(f"{'':<{w}}{'refresh':>12}{'full rebuild':>14}{'refresh/full':>14}")
     print("-" * (w + 40))
 
-    def row(label: str, a, c, ratio: bool = True, fmt: str = "{:>12}") -> None:
-        ra = _ratio(a, c) if ratio and isinstance(a, (int, float)) and isinstance(c, (int, float)) else ""
-        print(f"{label:<{w}}{fmt.format(a)}{fmt.format(c):>14}{ra:>14}")
+    def seconds_row(label: str, a: float, c: float) -> None:
+        print(f"{label:<{w}}{a:>12.1f}{c:>14.1f}{_ratio(a, c):>14}")
 
-    row("wall time of the flow call, s", f"{refresh.seconds:.1f}", f"{full.seconds:.1f}", False)
-    print(f"{'':<{w}}{'':>12}{'':>14}{_ratio(refresh.seconds, full.seconds):>14}")
+    seconds_row("wall time of the flow call, s", refresh.seconds, full.seconds)
     steps_ref = sum(step(r, s).get("seconds", 0) for s in STEPS)
     steps_full = sum(step(b, s).get("seconds", 0) for s in STEPS)
-    row("  sum of step times, s", f"{steps_ref:.1f}", f"{steps_full:.1f}", False)
-    print(f"{'':<{w}}{'':>12}{'':>14}{_ratio(steps_ref, steps_full):>14}")
+    seconds_row("  sum of step times, s", steps_ref, steps_full)
     for s in STEPS:
-        a, c = step(r, s).get("seconds", 0.0), step(b, s).get("seconds", 0.0)
-        print(f"{'    ' + s + ', s':<{w}}{a:>12.1f}{c:>14.1f}{_ratio(a, c):>14}")
-    other_ref, other_full = refresh.seconds - steps_ref, full.seconds - steps_full
-    print(f"{'  rest (plan, write, review, MLflow)':<{w}}{other_ref:>12.1f}{other_full:>14.1f}"
-          f"{_ratio(other_ref, other_full):>14}")
+        seconds_row(f"    {s}, s", step(r, s).get("seconds", 0.0), step(b, s).get("seconds", 0.0))
+    seconds_row("  rest (plan, write, review, MLflow)", refresh.seconds - steps_ref, full.seconds - steps_full)
     print(f"{'input WARC files read':<{w}}{len(r['files']):>12}{len(b['files']):>14}"
           f"{_ratio(len(r['files']), len(b['files'])):>14}")
     print(f"{'WARC MiB read':<{w}}{bytes_new / 2**20:>12.2f}{bytes_all / 2**20:>14.2f}{_ratio(bytes_new, bytes_all):>14}")
@@ -420,9 +416,9 @@ def report(args, v1: RunResult, refresh: RunResult, full: RunResult, by_url: dic
           f"version's; the new files hold {expected_dups_new} copies of earlier pages")
     dstats = step(r, "dedup").get("extra", {}).get("dedup", {})
     if dstats:
-        print(f"refresh dedup stats: docs checked {dstats.get('docs_checked')}, candidate pairs "
-              f"{dstats.get('candidate_pairs')}, clusters {dstats.get('clusters')}, "
-              f"previous indexes {len(v1.manifest.get('dedup_indexes', []))}")
+        print(f"refresh dedup stats: docs checked {dstats.get('docs_checked')}, clusters {dstats.get('clusters')} "
+              f"{dstats.get('cluster_size_histogram')}, earlier dedup indexes read "
+              f"{len(r.get('dedup_indexes', [])) - 1}")
     print(f"v0001 shards untouched by the refresh: {'yes' if v1_untouched else 'NO'}; refresh manifest lists "
           f"{len(r['shards'])} shards ({sum(s.get('version') == v1.manifest['version'] for s in r['shards'])} "
           f"from v0001), versions {r.get('versions')}")

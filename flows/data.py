@@ -35,7 +35,7 @@ def run_data_pipeline(config: Config) -> dict:
     files = t.list_inputs(data.inputs)
     if data.seed_urls or not data.inputs:
         crawl_cfg = data.crawl.model_copy(update={"seed_urls": data.seed_urls or data.crawl.seed_urls})
-        files += t.crawl_task(crawl_cfg, out)
+        files += t.crawl_task(crawl_cfg, out, data.refresh)
     plan = t.plan_version_task(out, files, build_settings(data), data.refresh, data.previous_index)
     if plan.up_to_date:
         return t.current_version_task(out, plan)

@@ -701,7 +701,8 @@ def dedup(
 
     Stats: docs_in, docs_checked (not dropped before, with text), exact_dups,
     near_dups, clusters, cluster_size_histogram (members incl. indexed ones ->
-    clusters), candidate_pairs (distinct linked pairs, exact ones included),
+    clusters), candidate_links (links found in band and exact-hash buckets; a pair linked in
+    several shards counts once per shard),
     cc_rounds.
     """
     keys = ds.map_batches(_doc_keys, fn_kwargs={"cfg": cfg}, batch_format="pyarrow").materialize()
@@ -714,7 +715,7 @@ def dedup(
         "near_dups": 0,
         "clusters": 0,
         "cluster_size_histogram": {},
-        "candidate_pairs": 0,
+        "candidate_links": 0,
         "cc_rounds": 0,
     }
     all_keys = keys
@@ -726,8 +727,8 @@ def dedup(
         .map_groups(_bucket_edges, fn_kwargs={"cfg": cfg}, batch_format="pyarrow")
         .materialize()
     )
-    stats["candidate_pairs"] = edges.count() // 2  # each pair is stored in both directions
-    if stats["candidate_pairs"] == 0:
+    stats["candidate_links"] = edges.count() // 2  # each link is stored in both directions
+    if stats["candidate_links"] == 0:
         _write_index(keys, None, cfg, work_dir)
         return ds.map_batches(_with_null_cluster, batch_format="pyarrow"), stats
 

@@ -8,7 +8,9 @@ and hands the next task a small result (paths and counts, never a dataset).
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -73,15 +75,34 @@ def _print_step(result: StepResult) -> None:
     print(f"[data] {result.name:<8} {result.rows_in:>7} in  {result.kept:>7} kept  {drops:>6} dropped  {state}", flush=True)
 
 
+CRAWL_MARKER = "_SUCCESS.json"  # in OUT/crawl: the settings of the last finished crawl
+
+
 @task(name="crawl", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def crawl_task(crawl_cfg: Any, out_dir: str) -> list[str]:
-    """Crawl the seed URLs (or the local documentation server) into WARC files."""
+def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]:
+    """Crawl the seed URLs (or the local documentation server) into WARC files.
+
+    A finished crawl with the same settings is not repeated unless ``refresh``
+    asks for a re-crawl (conditional requests: only new and changed pages are
+    downloaded again). Returns every WARC file of the crawl folder.
+    """
     from crawl2chat.stages.crawl import crawl
     from crawl2chat.stages.local_site import PydocSite
 
     params = crawl_cfg.model_dump()
-    with stage_run("crawl", {"crawl": params}):
-        crawl_dir = Path(out_dir) / "crawl"
+    crawl_dir = Path(out_dir) / "crawl"
+    marker = crawl_dir / CRAWL_MARKER
+    settings = json.dumps(params, sort_keys=True, default=str)
+    try:
+        finished = json.loads(marker.read_text()).get("settings") == settings
+    except (OSError, ValueError):
+        finished = False
+    if finished and not refresh:
+        warcs = sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
+        print(f"[data] crawl    already done with these settings ({len(warcs)} WARC files); "
+              "--refresh re-crawls", flush=True)
+        return warcs
+    with stage_run("crawl", {"crawl": params, "refresh": refresh}):
         if crawl_cfg.seed_urls:
             result = crawl(crawl_cfg, crawl_dir)
         else:
@@ -103,6 +124,9 @@ def crawl_task(crawl_cfg: Any, out_dir: str) -> list[str]:
         mlflow.log_dict(report, "crawl_report.json")
         print(f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
               f"{len(result.warc_paths)} WARC files", flush=True)
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time()}))
+    os.replace(tmp, marker)
     # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
     return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
 

@@ -90,7 +90,7 @@ def test_minhash_exact_near_and_pass_through(tmp_path):
     assert stats["docs_in"] == 10 and stats["docs_checked"] == 9
     assert stats["exact_dups"] == 2 and stats["near_dups"] == 2
     assert stats["clusters"] == 2 and stats["cluster_size_histogram"] == {3: 2}
-    assert stats["candidate_pairs"] >= 4 and stats["cc_rounds"] >= 2
+    assert stats["candidate_links"] >= 4 and stats["cc_rounds"] >= 2
 
     index = pq.read_table(tmp_path / "index" / "bands")
     assert set(index.column("id").to_pylist()) == {"e0", "n0", "u0", "u1", "u2"}

@@ -76,3 +76,16 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     upstream = lineage.stdout.partition("this:")[0]
     for stage in ("sft", "reward", "pretrain", "write"):
         assert children[stage].info.run_id in upstream
+
+    # Re-triggered with the same settings: no re-crawl, the dataset is up to date,
+    # and every training stage is reused from its keyed run folder.
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    assert "[data] crawl    already done" in again.stdout
+    assert "is up to date at v0001" in again.stdout
+    for stage in ("pretrain", "sft", "reward", "ppo"):
+        assert f"[{stage}] already trained on these inputs" in again.stdout, stage
+    assert client.get_model_version_by_alias("crawl2chat-policy", "current").run_id == ppo.info.run_id
+    # A model's run names the dataset version and the registered model versions it was built from.
+    assert pre.data.tags["crawl2chat.data_version"] == "v0001"
+    assert children["sft"].data.tags["crawl2chat.input_model.base"].startswith("models:/crawl2chat-base/")
