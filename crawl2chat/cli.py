@@ -239,18 +239,18 @@ def lineage(
 def serve_flows(
     refresh_cron: str = typer.Option("0 3 * * *", "--refresh-cron", help="Cron schedule of the data refresh (UTC)."),
 ) -> None:
-    """Serve the pipeline, data-refresh, train and pretrain flows to a Prefect server (set PREFECT_API_URL)."""
+    """Serve the pipeline, data-refresh, train and single-stage flows to a Prefect server (set PREFECT_API_URL)."""
     configure_prefect_env()
     from prefect import serve
 
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.flows.pipeline import pipeline_flow, pretrain_flow, train_flow
+    from crawl2chat.flows import pipeline
 
     serve(
-        pipeline_flow.to_deployment(name="pipeline"),
+        pipeline.pipeline_flow.to_deployment(name="pipeline"),
         data_flow.to_deployment(name="data-refresh", cron=refresh_cron, parameters={"refresh": True}),
-        train_flow.to_deployment(name="train"),
-        pretrain_flow.to_deployment(name="pretrain"),
+        *(getattr(pipeline, f"{name}_flow").to_deployment(name=name)
+          for name in ("train", "pretrain", "sft", "reward", "ppo", "dpo")),
     )
 
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from crawl2chat.stages.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
 from crawl2chat.stages.pretrain import finished_summary, save_model
-from crawl2chat.stages.sft import argv_for, prepare_out, resolve, stage_parser
+from crawl2chat.stages.sft import prepare_out, resolve, stage_parser
 from crawl2chat.stages.trainer import (MetricsWriter, TrainConfig, build_optimizer, build_scheduler,
                                        make_accelerator, peak_memory_mb)
 

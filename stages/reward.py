@@ -31,10 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from crawl2chat.stages.chat_data import encode_pair, is_held_out, load_preferences, pad
-from crawl2chat.stages.pretrain import finished_summary
-from crawl2chat.stages.sft import (ExampleSampler, argv_for, finish, prepare_out, resolve,
-                                   stage_parser)
-from crawl2chat.stages.trainer import TrainConfig, Trainer, make_accelerator
+from crawl2chat.stages.sft import ExampleSampler, finish, stage_parser, start_stage
+from crawl2chat.stages.trainer import TrainConfig, Trainer
 
 MODULE = "crawl2chat.stages.reward"
 
@@ -123,19 +121,11 @@ def parse_args(argv=None):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import AutoTokenizer
-
     args = parse_args(argv)
-    cfg = resolve(RewardConfig, args)
-    out = Path(args.out)
-    done = finished_summary(out, cfg.max_steps)
-    if done is not None:
-        print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
+    start, done = start_stage(RewardConfig, args, args.base)
+    if start is None:
         return done
-    acc = make_accelerator(cfg)
-    prepare_out(acc, cfg, out)
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    cfg, out, acc, tokenizer, pad_id = start.cfg, start.out, start.acc, start.tokenizer, start.pad_id
     pairs, bad_rows = load_preferences(args.data)
     train, val, skipped = tokenise_pairs(tokenizer, pairs, cfg)
     encoded = train + val

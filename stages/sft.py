@@ -33,6 +33,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,36 @@ class ExampleSampler:
             yield self.collate(mine[i:i + c.micro_batch_size])
 
 
+@dataclass
+class StageStart:
+    """What every post-training script has once it is under way."""
+
+    cfg: Any
+    out: Path
+    acc: Any
+    tokenizer: Any
+    pad_id: int
+
+
+def start_stage(config_cls, args: argparse.Namespace, model_path: str) -> tuple[StageStart | None, dict | None]:
+    """The common opening of the SFT, reward and DPO scripts: settings, the finished-run
+    check (returns ``(None, summary)`` when the run is already done), the accelerator,
+    the output folder and the tokenizer of the starting model."""
+    from transformers import AutoTokenizer
+
+    cfg = resolve(config_cls, args)
+    out = Path(args.out)
+    done = finished_summary(out, cfg.max_steps)
+    if done is not None:
+        print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
+        return None, done
+    acc = make_accelerator(cfg)
+    prepare_out(acc, cfg, out)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return StageStart(cfg, out, acc, tokenizer, pad_id), None
+
+
 def prepare_out(acc, cfg, out: Path) -> None:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -223,18 +254,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     args = parse_args(argv)
-    cfg = resolve(SFTConfig, args)
-    out = Path(args.out)
-    done = finished_summary(out, cfg.max_steps)
-    if done is not None:
-        print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
+    start, done = start_stage(SFTConfig, args, args.base)
+    if start is None:
         return done
-    acc = make_accelerator(cfg)
-    prepare_out(acc, cfg, out)
-    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    cfg, out, acc, tokenizer = start.cfg, start.out, start.acc, start.tokenizer
     conversations, bad_rows = load_sft(args.data)
     data = build_sft_rows(tokenizer, conversations, cfg)
     (tr_ids, tr_labels), val = data["train"], data["val"]
