@@ -8,7 +8,8 @@ that log, so the error that killed a distributed job is in the exception.
 
 The accelerate configs in ``infra/accelerate/`` fix the distribution mode:
 ``cpu.yaml`` (one CPU process), ``cpu_ddp.yaml`` (DDP over gloo on one CPU
-machine), ``gpu_ddp.yaml`` (DDP over NCCL) and ``fsdp.yaml`` (FSDP2). The
+machine), ``gpu_ddp.yaml`` (DDP over NCCL), ``fsdp.yaml`` (FSDP2) and
+``deepspeed.yaml`` (DeepSpeed ZeRO-2; needs the ``deepspeed`` package). The
 process count given here overrides the one in the file.
 """
 
@@ -45,7 +46,7 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
     """``python -m accelerate.commands.launch ... -m MODULE ARGS`` for this interpreter.
 
     Without an explicit ``accelerate_config`` the packaged one is chosen:
-    ``cpu``/``cpu_ddp`` on CPU, ``gpu_ddp`` on GPUs (``fsdp`` must be asked for).
+    ``cpu``/``cpu_ddp`` on CPU, ``gpu_ddp`` on GPUs (``fsdp`` and ``deepspeed`` must be asked for).
     ``accelerate_config`` may be a packaged name (``"fsdp"``) or a path."""
     if accelerate_config is None:
         name = ("cpu" if num_processes == 1 else "cpu_ddp") if cpu else "gpu_ddp"
@@ -56,19 +57,35 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
         config = accelerate_config_path(accelerate_config)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--num_processes", str(num_processes)]
-    if num_processes > 1 and "fsdp" not in config.name:
+    distributed = distributed_type(config)
+    deepspeed = distributed == "DEEPSPEED"
+    if deepspeed:
+        # DeepSpeed's launcher starts every rank itself (one included) and takes
+        # neither --multi_gpu nor --cpu; without GPUs DeepSpeed picks its CPU
+        # accelerator (gloo) on its own.
+        cmd += ["--main_process_port", str(_free_port())]
+    elif num_processes > 1 and distributed != "FSDP":
         cmd.append("--multi_gpu")  # CPU too: torch.distributed with gloo, ACCELERATE_USE_CPU from the config
         cmd += ["--main_process_port", str(_free_port())]
     elif num_processes == 1 and cpu:
         cmd.append("--cpu")
     if cpu:
         # Keep every rank on the CPU even where a GPU is visible (accelerate's
-        # multi-process launcher does not export this from the config).
+        # multi-process launcher does not export this from the config); not
+        # under DeepSpeed, which accelerate switches off when it is set.
         # fp32: CPUs without bf16 units run bf16 autocast far slower than fp32.
         threads = max(1, (os.cpu_count() or 1) // num_processes)
-        cmd = ["env", "ACCELERATE_USE_CPU=true", *cmd, "--mixed_precision", "no",
-               "--num_cpu_threads_per_process", str(threads)]
+        env = [] if deepspeed else ["env", "ACCELERATE_USE_CPU=true"]
+        cmd = [*env, *cmd, "--mixed_precision", "no", "--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]
+
+
+def distributed_type(config: str | os.PathLike) -> str:
+    """The ``distributed_type`` an accelerate config file asks for (``NO``, ``MULTI_GPU``, ``FSDP``, ``DEEPSPEED``...)."""
+    import yaml
+
+    data = yaml.safe_load(Path(config).read_text()) or {}
+    return str(data.get("distributed_type", "NO")).upper()
 
 
 def _free_port() -> int:

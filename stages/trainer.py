@@ -9,6 +9,10 @@ A stage supplies a model, a ``batch_fn`` that returns the micro-batch for a
   warmup-stable-decay / constant);
 * gradient accumulation, clipping by global norm, mixed precision chosen from
   the hardware (fp32 on CPU, bf16 on GPUs that have it, else fp16);
+* DDP, FSDP or DeepSpeed ZeRO, as the accelerate config chooses; under
+  DeepSpeed the engine does the accumulation, clipping and optimizer step, and
+  the trainer writes its own micro-batch size, accumulation steps and clipping
+  norm into the DeepSpeed config so the two agree;
 * checkpoints with ``accelerator.save_state``: model, optimizer, scheduler,
   RNG states and the :class:`TrainState` (step, data position, learning-rate
   scale, rollback count, recent losses), so a resumed run continues exactly
@@ -308,13 +312,30 @@ EvalBatchesFn = Callable[[int, int], Iterable[dict[str, torch.Tensor]]]
 
 def make_accelerator(cfg: TrainConfig):
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
-    acc = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision))
+    handlers = []
+    backend = _deepspeed_cpu_backend()
+    if backend:
+        # accelerate knows no process-group backend for a machine without an
+        # accelerator device and would report every DeepSpeed rank as process 0 of 1.
+        handlers.append(InitProcessGroupKwargs(backend=backend))
+    acc = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision), kwargs_handlers=handlers)
     if acc.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
     set_seed(cfg.seed)
     return acc
+
+
+def _deepspeed_cpu_backend() -> str | None:
+    """DeepSpeed's process-group backend (gloo, or ccl with oneCCL) when this process
+    was launched for DeepSpeed on a machine where DeepSpeed runs on the CPU."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    ds = get_accelerator()
+    return ds.communication_backend_name() if ds.device_name() == "cpu" else None
 
 
 class Trainer:
@@ -340,10 +361,21 @@ class Trainer:
         self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.world
 
         optimizer = build_optimizer(model, cfg)
+        plugin = accelerator.state.deepspeed_plugin
+        self.deepspeed = plugin is not None
+        if self.deepspeed:
+            # No DataLoader goes through prepare() for accelerate to read a batch size
+            # from, and the engine accumulates and clips itself: it gets our numbers.
+            plugin.deepspeed_config.update(
+                train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
+                train_batch_size=cfg.micro_batch_size * cfg.grad_accum * self.world, gradient_clipping=cfg.clip_norm)
+            accelerator.gradient_accumulation_steps = cfg.grad_accum
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # The scheduler is stepped by hand once per optimizer step; accelerate's
-        # wrapper would step it once per process.
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        # wrapper would step it once per process. DeepSpeed's ZeRO optimizer is no
+        # torch optimizer (the schedules read ``defaults``); the one inside it is
+        # ours, with the same param groups.
+        self.scheduler = build_scheduler(optimizer if self.deepspeed else self.optimizer, cfg)
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.scheduler, self.state)
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=accelerator.is_main_process)
@@ -358,12 +390,16 @@ class Trainer:
         for micro in range(self.cfg.grad_accum):
             batch = {k: v.to(self.acc.device) for k, v in self.batch_fn(batch_index, micro, self.rank, self.world).items()}
             last = micro == self.cfg.grad_accum - 1
+            if self.deepspeed:
+                # The engine divides the loss by its accumulation steps itself, and
+                # reduces, clips and steps inside backward() on the boundary micro-batch.
+                self.acc.sync_gradients = last
             # Gradients are all-reduced once, on the last micro-batch.
-            with nullcontext() if last else self.acc.no_sync(self.model):
+            with nullcontext() if last or self.deepspeed else self.acc.no_sync(self.model):
                 loss, _ = self.loss_fn(self.model, batch)
                 if batch_index in self.cfg.inject_nan_at_batches:
                     loss = loss * float("nan")
-                self.acc.backward(loss / self.cfg.grad_accum)
+                self.acc.backward(loss if self.deepspeed else loss / self.cfg.grad_accum)
             total += loss.detach() / self.cfg.grad_accum
         return total
 
@@ -374,14 +410,16 @@ class Trainer:
         self.model.train()
         local_loss = self.forward_backward_step(batch_index)
         loss = self.acc.reduce(local_loss, reduction="mean").item()
-        max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
-        grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = self.clip_grad_norm()
 
         reason = self._instability(loss, grad_norm)
         if reason:
             self.rollback(reason, batch_index, loss, grad_norm)
             return None
 
+        # Under DeepSpeed the step has already been taken (a rollback reloads the
+        # checkpoint all the same) and optimizer.step() is a no-op; the lr it used is
+        # still the current one, as the scheduler steps only below.
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -398,6 +436,16 @@ class Trainer:
         if self.flops_per_token and self.peak_flops:
             rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world)
         return rec
+
+    def clip_grad_norm(self) -> float:
+        """Clip to ``clip_norm`` and return the global norm before clipping."""
+        max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
+        norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if norm is None and self.deepspeed:
+            # Older accelerate returns nothing under DeepSpeed; the engine clipped
+            # during its step and kept the norm.
+            norm = self.model.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
 
     def _instability(self, loss: float, grad_norm: float) -> str | None:
         if not math.isfinite(loss):
