@@ -17,8 +17,15 @@ from typing import Any, Iterator
 import mlflow
 
 
+# mlflow.set_tracking_uri writes the URI it is given back into os.environ, so the
+# user's own MLFLOW_TRACKING_URI is read once, before this process sets any: a
+# long-lived process (a flow server, a test session) running flows with different
+# homes would otherwise send every later run to the first one's store.
+_USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
+
 def tracking_uri(home: str | Path, configured: str | None = None) -> str:
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    uri = configured or _USER_TRACKING_URI
     if uri:
         return uri
     home = Path(home).resolve()

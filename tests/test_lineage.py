@@ -35,3 +35,11 @@ def test_chain_is_walked_upstream_and_downstream(tmp_path):
     policy_up = format_lineage(ids["ppo"]).partition("this:")[0]
     for name in ("sft", "reward", "pretrain", "write"):
         assert ids[name] in policy_up
+
+
+def test_each_home_keeps_its_own_tracking_store(tmp_path):
+    # MLflow writes the URI it is given into the environment; a second home must not inherit the first.
+    first = setup_tracking(tmp_path / "a", "crawl2chat")
+    second = setup_tracking(tmp_path / "b", "crawl2chat")
+    assert first == f"sqlite:///{(tmp_path / 'a').resolve() / 'mlflow.db'}"
+    assert second == f"sqlite:///{(tmp_path / 'b').resolve() / 'mlflow.db'}"
