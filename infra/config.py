@@ -90,7 +90,7 @@ class TrainStage(BaseModel):
     num_processes: int = Field(1, ge=1, description="Processes for `accelerate launch` (DDP when > 1).")
     accelerate_config: str | None = Field(
         None,
-        description="Accelerate config: a name under infra/accelerate (cpu, cpu_ddp, gpu_ddp, fsdp) or a path.",
+        description="Accelerate config: a name under infra/accelerate (cpu, cpu_ddp, gpu_ddp, fsdp, deepspeed) or a path.",
     )
     registered_name: str | None = Field(None, description="MLflow registered model name (None: don't register).")
 

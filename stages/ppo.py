@@ -53,6 +53,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType
 
 from crawl2chat.stages.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
 from crawl2chat.stages.pretrain import finished_summary, save_model
@@ -437,6 +438,9 @@ def run(cfg: PPOConfig, policy: str, reward: str, prompts_file: str, out: str | 
     # No mid-run checkpoints: an unfinished run starts again.
     (out / "metrics.jsonl").unlink(missing_ok=True)
     acc = make_accelerator(cfg)
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        # PPO runs four models through its own loop; DeepSpeed's engine would own only one of them.
+        raise ValueError("PPO does not run under DeepSpeed; use the gpu_ddp or fsdp accelerate config")
     prepare_out(acc, cfg, out)
     tok = AutoTokenizer.from_pretrained(policy)
     prompt_msgs, skipped = load_prompts(prompts_file)

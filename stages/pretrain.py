@@ -199,6 +199,10 @@ def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.use_cache = True
+    if state_dict is not None and getattr(model.config, "tie_word_embeddings", False):
+        # A gathered state dict (DeepSpeed) carries the tied head as a copy of its own;
+        # the config re-ties it on load, so the file keeps one tensor.
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (tok_dir / name).exists():
