@@ -33,8 +33,9 @@ Logged per step to ``OUT/metrics.jsonl``: ``reward_mean`` (reward-model score),
 ``entropy``, ``value_loss``, ``policy_loss``, ``response_length``, ``eos_rate``,
 and the time spent generating, scoring and training.
 
-Restart policy: PPO keeps no mid-run checkpoints; re-running an unfinished
-``OUT`` starts the run again from the SFT model (a finished one is a no-op).
+Checkpoints: every ``checkpoint_every`` rollouts the actor-critic, optimizer,
+schedule, KL coefficient and RNG states are saved under ``OUT/checkpoints``;
+re-running an unfinished ``OUT`` resumes from the newest (a finished one is a no-op).
 
 Outputs: ``OUT/model`` (the actor, Hugging Face causal LM + tokenizer),
 ``OUT/value_model`` (the critic, sequence-classification format),
@@ -47,6 +48,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -59,16 +61,15 @@ from crawl2chat.stages.chat_data import encode_prompt, end_of_turn_id, load_prom
 from crawl2chat.stages.pretrain import finished_summary, save_model
 from crawl2chat.stages.sft import prepare_out, resolve, stage_parser
 from crawl2chat.stages.trainer import (MetricsWriter, TrainConfig, build_optimizer, build_scheduler,
-                                       make_accelerator, peak_memory_mb)
+                                       latest_checkpoint, make_accelerator, peak_memory_mb, save_checkpoint)
 
 MODULE = "crawl2chat.stages.ppo"
 
 
 class PPOConfig(TrainConfig):
-    """Optimizer, schedule, clipping and seed come from :class:`TrainConfig`; its
-    ``seq_len``, evaluation, checkpoint and rollback fields do not apply here
-    (lengths are ``max_prompt_len`` + ``max_new_tokens``; a non-finite gradient
-    skips its minibatch)."""
+    """Optimizer, schedule, clipping, checkpoints and seed come from :class:`TrainConfig`;
+    its ``seq_len``, evaluation and rollback fields do not apply here (lengths are
+    ``max_prompt_len`` + ``max_new_tokens``; a non-finite gradient skips its minibatch)."""
 
     max_steps: int = 100  # PPO steps (rollouts)
     lr: float = 1e-5
@@ -79,7 +80,7 @@ class PPOConfig(TrainConfig):
     micro_batch_size: int = 8  # answers per forward pass in the optimisation phase
     # optimizer step = micro_batch_size x grad_accum answers (per process)
     eval_every: int = 0  # unused by PPO (no held-out set)
-    checkpoint_every: int = 0  # unused: PPO restarts instead of resuming
+    checkpoint_every: int = 20  # rollouts between checkpoints (0: none); a rerun resumes from the newest
     rollout_batch_size: int = 16  # prompts per process per rollout
     ppo_epochs: int = 4
     max_prompt_len: int = 256  # longer prompts keep their end
@@ -230,6 +231,24 @@ def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, prompt_len: int, te
 # ---------------------------------------------------------------- the run
 
 
+@dataclass
+class PPOState:
+    """What a PPO checkpoint carries beside the models, optimizer, schedule and RNG states."""
+
+    step: int = 0
+    kl_coef: float = 0.0
+    first: dict[str, Any] | None = None
+    totals: dict[str, float] = field(default_factory=lambda: {
+        "time_generate": 0.0, "time_score": 0.0, "time_train": 0.0, "optimizer_steps": 0})
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
 class PPORunner:
     def __init__(self, cfg: PPOConfig, acc, policy: str, reward: str, prompts: list[list[int]], out: Path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -251,6 +270,9 @@ class PPORunner:
         self.model, self.optimizer = acc.prepare(ac, optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.model_copy(update={"max_steps": cfg.max_steps * per_rollout}))
         self.kl = KLController(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
+        self.state = PPOState(kl_coef=self.kl.value)
+        acc.register_for_checkpointing(self.scheduler, self.state)
+        self.ckpt_root = out / "checkpoints"
         self.metrics = MetricsWriter(out / "metrics.jsonl", enabled=acc.is_main_process)
         self.reduce = lambda t: acc.reduce(t, "sum")
 
@@ -349,13 +371,25 @@ class PPORunner:
     def mean(self, x: torch.Tensor) -> float:
         return float(self.acc.reduce(x.float().mean().detach(), "mean"))
 
+    def resume(self) -> None:
+        """Continue from the newest checkpoint under ``OUT/checkpoints``, if any."""
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return
+        self.acc.load_state(str(path))
+        self.kl.value = self.state.kl_coef
+        self.metrics.write({"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name})
+        self.acc.print(f"resumed from {path} at rollout {self.state.step}")
+
     def run(self) -> dict[str, Any]:
         c = self.cfg
-        first = last = None
-        totals = {"time_generate": 0.0, "time_score": 0.0, "time_train": 0.0, "optimizer_steps": 0}
+        self.resume()
+        first, last, totals = self.state.first, None, self.state.totals
+        start_step = self.state.step
         t_start = time.perf_counter()
-        self.metrics.write({"type": "event", "event": "start", "step": 0, "world_size": self.acc.num_processes})
-        for step in range(1, c.max_steps + 1):
+        self.metrics.write({"type": "event", "event": "start", "step": self.state.step,
+                            "world_size": self.acc.num_processes})
+        for step in range(self.state.step + 1, c.max_steps + 1):
             ro = self.rollout(step)
             t0 = time.perf_counter()
             st = self.optimise(ro, step)
@@ -378,12 +412,15 @@ class PPORunner:
             last = rec
             self.acc.print(f"ppo step {step}: reward {rec['reward_mean']:.3f} kl {kl:.3f} "
                            f"len {rec['response_length']:.1f} clip {rec['clip_fraction']:.3f}")
+            self.state.step, self.state.kl_coef, self.state.first = step, self.kl.value, first
+            if c.checkpoint_every and step % c.checkpoint_every == 0 and step < c.max_steps:
+                save_checkpoint(self.acc, self.ckpt_root, step, c.keep_checkpoints)
         wall = time.perf_counter() - t_start
         busy = totals["time_generate"] + totals["time_score"] + totals["time_train"]
         return {"steps": c.max_steps, "reward_mean_first": first["reward_mean"], "reward_mean_last": last["reward_mean"],
                 "kl_last": last["kl"], "kl_coef_last": self.kl.value, "response_length_last": last["response_length"],
                 "eos_rate_last": last["eos_rate"], "wall_seconds": wall,
-                "rollouts_per_second": c.max_steps / wall,
+                "rollouts_per_second": (c.max_steps - start_step) / wall,
                 "optimizer_steps_per_second": totals["optimizer_steps"] / max(totals["time_train"], 1e-9),
                 "optimizer_steps": totals["optimizer_steps"],
                 "time_share_generate": totals["time_generate"] / busy, "time_share_score": totals["time_score"] / busy,
@@ -435,8 +472,6 @@ def run(cfg: PPOConfig, policy: str, reward: str, prompts_file: str, out: str | 
     if done is not None:
         print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
         return done
-    # No mid-run checkpoints: an unfinished run starts again.
-    (out / "metrics.jsonl").unlink(missing_ok=True)
     acc = make_accelerator(cfg)
     if acc.distributed_type == DistributedType.DEEPSPEED:
         # PPO runs four models through its own loop; DeepSpeed's engine would own only one of them.

@@ -271,6 +271,28 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return steps[-1] if steps else None
 
 
+def save_checkpoint(acc, root: Path, step: int, keep: int) -> Path:
+    """``acc.save_state`` (models, optimizers, registered objects, RNG states) into
+    ``root/step_XXXXXXXX``: written under a ``.tmp`` name and renamed, so a resume
+    never picks a half-written checkpoint; only the newest ``keep`` are kept."""
+    final = Path(root) / f"step_{step:08d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp), safe_serialization=True)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        kept = sorted(p for p in Path(root).iterdir() if CHECKPOINT_RE.match(p.name))
+        for old in kept[: max(0, len(kept) - max(1, keep))]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return final
+
+
 class MetricsWriter:
     """Appends one JSON object per line to ``path`` (rank 0 only), flushed per line
     so a tailing reader sees every step as it happens."""
@@ -463,22 +485,7 @@ class Trainer:
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        final = self.ckpt_root / f"step_{self.state.step:08d}"
-        tmp = final.with_name(final.name + ".tmp")
-        if self.acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp), safe_serialization=True)
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            kept = sorted(p for p in self.ckpt_root.iterdir() if CHECKPOINT_RE.match(p.name))
-            for old in kept[: max(0, len(kept) - max(1, self.cfg.keep_checkpoints))]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
-        return final
+        return save_checkpoint(self.acc, self.ckpt_root, self.state.step, self.cfg.keep_checkpoints)
 
     def _load(self, path: Path) -> None:
         self.acc.load_state(str(path))

@@ -187,3 +187,39 @@ def test_ppo_under_accelerate_raises_reward(models, tmp_path):
 
     assert AutoModelForCausalLM.from_pretrained(out / "model").config.vocab_size > 0
     assert AutoModelForSequenceClassification.from_pretrained(out / "value_model", num_labels=1).config.num_labels == 1
+
+
+def test_interrupted_run_resumes_from_its_checkpoint_exactly(models, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from crawl2chat.stages import ppo
+
+    def run(out, **kw):
+        cfg = PPOConfig(rollout_batch_size=4, micro_batch_size=2, max_new_tokens=4, max_steps=4, ppo_epochs=1,
+                        checkpoint_every=2, seed=11, lr=1e-3, adaptive_kl=True, kl_target=1.0, kl_horizon=100)
+        return ppo.run(cfg, str(models["sft"]), str(models["rm"]), str(models["prompts"]), out)
+
+    whole = run(tmp_path / "whole")
+
+    # A crash in rollout 3, after the checkpoint of rollout 2 was written.
+    real_optimise = PPORunner.optimise
+
+    def crash_at_3(self, ro, step):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+        return real_optimise(self, ro, step)
+
+    monkeypatch.setattr(PPORunner, "optimise", crash_at_3)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path / "resumed")
+    assert (tmp_path / "resumed" / "checkpoints" / "step_00000002").is_dir()
+    monkeypatch.setattr(PPORunner, "optimise", real_optimise)
+    resumed = run(tmp_path / "resumed")
+
+    events = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if r["type"] == "event"]
+    assert any(e["event"] == "resume" and e["step"] == 2 for e in events)
+    for key in ("reward_mean_first", "reward_mean_last", "kl_last", "kl_coef_last", "optimizer_steps"):
+        assert resumed[key] == whole[key], key
+    a = load_file(tmp_path / "whole" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
