@@ -348,33 +348,26 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
 
     Writes ``sft.jsonl``, ``preference.jsonl`` and ``prompts.jsonl`` under
     ``out_dir`` and returns their paths."""
-    import pyarrow.parquet as pq
-
-    from crawl2chat.stages.tokenizer import shard_files
+    from crawl2chat.stages.dataset_versions import iter_documents
 
     rng = random.Random(seed)
     examples = []
-    for path in shard_files(shards_dir):
-        pf = pq.ParquetFile(path)
-        cols = [c for c in ("text", "title", "drop_reason") if c in pf.schema_arrow.names]
-        for row in pf.read(columns=cols).to_pylist():
-            text = (row.get("text") or "").strip()
-            if row.get("drop_reason") or len(text) < 80:
-                continue
-            sents = [s.strip() for s in _SENT_RE.split(text.replace("\n", " ")) if s.strip()]
-            if len(sents) < 2:
-                continue
-            title = (row.get("title") or "").strip()
-            if title and len(examples) % 2 == 1:
-                prompt = f"Summarise the page titled \"{title[:100]}\"."
-                resp = " ".join(sents)[:max_chars]
-            else:
-                prompt = f"Continue: {sents[0][:200]}"
-                resp = " ".join(sents[1:])[:max_chars]
-            if len(resp.split()) >= 5:
-                examples.append((prompt, resp))
-            if len(examples) >= 3 * n:
-                break
+    for row in iter_documents(shards_dir, ["text", "title"]):
+        text = (row.get("text") or "").strip()
+        if len(text) < 80:
+            continue
+        sents = [s.strip() for s in _SENT_RE.split(text.replace("\n", " ")) if s.strip()]
+        if len(sents) < 2:
+            continue
+        title = (row.get("title") or "").strip()
+        if title and len(examples) % 2 == 1:
+            prompt = f"Summarise the page titled \"{title[:100]}\"."
+            resp = " ".join(sents)[:max_chars]
+        else:
+            prompt = f"Continue: {sents[0][:200]}"
+            resp = " ".join(sents[1:])[:max_chars]
+        if len(resp.split()) >= 5:
+            examples.append((prompt, resp))
         if len(examples) >= 3 * n:
             break
     if not examples:

@@ -38,6 +38,7 @@ from crawl2chat.stages.dataset_versions import (
     content_digest,
     file_identity,
     sha256_file,
+    superseded_ids,
     write_json_atomically,
 )
 from crawl2chat.stages.ray_blocks import (
@@ -477,6 +478,12 @@ def write_dataset(
         shards = list(base.get("shards", [])) + shard_info
         version_dir = tmp / "version"
         version_dir.mkdir()
+        superseded = list(base.get("superseded", []))
+        replaced = _superseded_rows(out, base, new_shards)
+        if replaced.num_rows:
+            pq.write_table(replaced, version_dir / "superseded.parquet")
+            superseded.append(f"{VERSIONS_DIR}/{version}/superseded.parquet")
+        n_superseded = int(base.get("documents_superseded", 0)) + replaced.num_rows
         indexes = list(base.get("dedup_indexes", []))
         dedup = next((s for s in steps if s.name == "dedup"), None)
         if dedup and os.path.isdir(os.path.join(dedup.out_dir, "_index")):
@@ -492,8 +499,11 @@ def write_dataset(
             "base_version": base.get("version"),
             "refresh": plan.refresh,
             "versions": list(base.get("versions", [])) + [version],
-            "documents_kept": sum(s["rows"] for s in shards),
+            "documents_kept": sum(s["rows"] for s in shards) - n_superseded,
             "version_documents_kept": sum(s["rows"] for s in shard_info),
+            "version_documents_superseded": replaced.num_rows,
+            "documents_superseded": n_superseded,
+            "superseded": superseded,
             "documents_dropped": sum(drops.values()),
             "drop_reasons": dict(sorted(drops.items())),
             "steps": [s.to_dict() for s in steps],
@@ -528,6 +538,24 @@ def write_dataset(
     if manifest["documents_kept"] == 0:
         raise NothingUsableError(_nothing_left_sentence(manifest))
     return manifest
+
+
+def _superseded_rows(out: Path, base: dict[str, Any], new_shards: Sequence[Path]) -> pa.Table:
+    """``id, url`` of the earlier versions' documents whose page this version holds
+    again (a changed page kept by a refresh): the new copy replaces the old one."""
+    empty = pa.table({"id": pa.array([], pa.string()), "url": pa.array([], pa.string())})
+    if not base.get("shards") or not new_shards:
+        return empty
+    new_urls = pa.array(sorted({u for u in pq.read_table(new_shards, columns=["url"])["url"].to_pylist() if u}),
+                        pa.string())
+    if not len(new_urls):
+        return empty
+    old = pq.read_table([out / s["path"] for s in base["shards"]], columns=["id", "url"])
+    old = old.filter(pc.is_in(old["url"], value_set=new_urls))
+    already = superseded_ids(out)
+    if already and old.num_rows:
+        old = old.filter(pc.invert(pc.is_in(old["id"], value_set=pa.array(sorted(already), pa.string()))))
+    return old.select(["id", "url"])
 
 
 def _nothing_left_sentence(manifest: dict[str, Any]) -> str:

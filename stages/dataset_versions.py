@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 MANIFEST = "manifest.json"
 VERSIONS_DIR = "versions"
@@ -126,6 +126,36 @@ def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(payload, indent=2, default=str))
     os.replace(tmp, path)
+
+
+def superseded_ids(source: str | os.PathLike) -> frozenset[str]:
+    """Ids of documents in a data folder's shards whose page a later version replaced
+    (a refresh that kept a changed page); readers skip them."""
+    src = Path(source)
+    manifest = read_manifest(src) if src.is_dir() else None
+    files = [src / f for f in (manifest or {}).get("superseded", [])]
+    if not files:
+        return frozenset()
+    import pyarrow.parquet as pq
+
+    return frozenset(pq.read_table(files, columns=["id"])["id"].to_pylist())
+
+
+def iter_documents(source: str | os.PathLike, columns: Sequence[str]) -> Iterator[dict[str, Any]]:
+    """Rows (the given columns) of the documents a data folder's current version holds:
+    its shards in order, without dropped or superseded documents."""
+    import pyarrow.parquet as pq
+
+    skip = superseded_ids(source)
+    for path in shard_files(source):
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        cols = [c for c in dict.fromkeys([*columns, "id", "drop_reason"]) if c in names]
+        for batch in pf.iter_batches(columns=cols, batch_size=1024):
+            for row in batch.to_pylist():
+                if row.get("drop_reason") or (skip and row.get("id") in skip):
+                    continue
+                yield {c: row.get(c) for c in columns}
 
 
 def shard_files(source: str | os.PathLike) -> list[Path]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from crawl2chat.stages.dataset_versions import superseded_ids
 from crawl2chat.stages.tokenizer import EOS_TOKEN, is_text_file, shard_files
 
 INDEX = "index.json"
@@ -130,7 +131,8 @@ def pack_shards(
             for split, (arrays, n_docs, n_bytes) in _pack_text_file(source, tokenizer_file, val_fraction).items():
                 write(split, arrays, n_docs, n_bytes)
         else:
-            for batch in _ray_tokenize(shard_files(source), tokenizer_file, val_fraction, num_cpus):
+            for batch in _ray_tokenize(shard_files(source), tokenizer_file, val_fraction, num_cpus,
+                                       superseded_ids(source)):
                 for toks, val, nb in zip(batch["tokens"], batch["val"], batch["n_bytes"]):
                     write("val" if val else "train", [toks], 1, int(nb))
     finally:
@@ -156,7 +158,8 @@ def pack_shards(
     return index
 
 
-def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, num_cpus: int | None):
+def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, num_cpus: int | None,
+                  superseded: frozenset[str] = frozenset()):
     import pyarrow.parquet as pq
     import ray
 
@@ -171,6 +174,8 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
     ds = ray.data.read_parquet([str(f) for f in files]).select_columns(columns)
     if "drop_reason" in columns:
         ds = ds.filter(lambda row: not row["drop_reason"])
+    if superseded:
+        ds = ds.filter(lambda row: row["id"] not in superseded)
     ds = ds.filter(lambda row: bool(row["text"]))
     ds = ds.map_batches(
         _TokenizeBatch,

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from crawl2chat.stages.dataset_versions import shard_files  # noqa: F401 - the shards readers use
+from crawl2chat.stages.dataset_versions import iter_documents, shard_files  # noqa: F401 - shard_files: re-exported
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -48,22 +48,13 @@ def iter_texts(source: str | os.PathLike, max_docs: int | None = None) -> Iterat
     if is_text_file(source):
         yield Path(source).read_text(encoding="utf-8")
         return
-    import pyarrow.parquet as pq
-
     n = 0
-    for path in shard_files(source):
-        pf = pq.ParquetFile(path)
-        has_drop = "drop_reason" in pf.schema_arrow.names
-        cols = ["text", "drop_reason"] if has_drop else ["text"]
-        for batch in pf.iter_batches(columns=cols, batch_size=1024):
-            texts = batch.column("text").to_pylist()
-            drops = batch.column("drop_reason").to_pylist() if has_drop else [None] * len(texts)
-            for text, drop in zip(texts, drops):
-                if text and not drop:
-                    yield text
-                    n += 1
-                    if max_docs is not None and n >= max_docs:
-                        return
+    for row in iter_documents(source, ["text"]):
+        if row["text"]:
+            yield row["text"]
+            n += 1
+            if max_docs is not None and n >= max_docs:
+                return
 
 
 def train_tokenizer(

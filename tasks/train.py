@@ -182,16 +182,13 @@ def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | 
 def held_out_texts(data: str, val_fraction: float = 0.1, limit: int = 200) -> list[str]:
     """Documents of a shards folder outside the training split (the packing's id-hash
     rule); a corpus too small to have any falls back to its last documents."""
-    import pyarrow.parquet as pq
-
+    from crawl2chat.stages.dataset_versions import iter_documents
     from crawl2chat.stages.packing import is_validation
-    from crawl2chat.stages.tokenizer import shard_files
 
     if not Path(data).is_dir():
         text = Path(data).read_text(encoding="utf-8")
         return [text[int(len(text) * (1 - val_fraction)):]]
-    table = pq.read_table(shard_files(data), columns=["id", "text"])
-    rows = list(zip(table["id"].to_pylist(), table["text"].to_pylist()))
+    rows = [(r["id"], r["text"]) for r in iter_documents(data, ["id", "text"])]
     held = [t for i, t in rows if t and is_validation(str(i), val_fraction)]
     return (held or [t for _, t in rows[-max(1, len(rows) // 10):] if t])[:limit]
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from test_crawl import LocalServer
 
 from crawl2chat.infra.config import load_config
-from crawl2chat.stages.dataset_versions import committed_versions, read_manifest, shard_files
+from crawl2chat.stages.dataset_versions import committed_versions, iter_documents, read_manifest, shard_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -110,11 +110,16 @@ def test_refresh_adds_only_new_and_changed_pages_as_a_new_version(prefect_api, r
     # The copy of an old page is dropped against the first version's dedup index.
     assert second["drop_reasons"].get("dedup:exact", 0) + second["drop_reasons"].get("dedup:near", 0) == 1
     assert second["version_documents_kept"] == 2  # the rewritten page1 and page5
-    assert second["documents_kept"] == 7
+    # The rewritten page replaces its first version: readers see 6 pages, page1 as it is now.
+    assert second["version_documents_superseded"] == 1 and second["documents_kept"] == 6
+    docs = {row["url"]: row["text"] for row in iter_documents(out, ["url", "text"])}
+    assert len(docs) == 6
+    page1 = next(text for url, text in docs.items() if url.endswith("/page1"))
+    assert page1.startswith(page_text(101)[len("<p>"):][:40])
     # The first version's shards are untouched; the second lists them plus its own.
     assert {k: after[k] for k in v1_shards} == v1_shards
     assert [s["path"] for s in second["shards"]][: len(first["shards"])] == [s["path"] for s in first["shards"]]
-    assert pq.read_table(shard_files(out)).num_rows == 7
+    assert pq.read_table(shard_files(out)).num_rows == 7  # the old copy stays in v0001's shard
     assert read_manifest(out, "v0001")["content_digest"] == first["content_digest"] != second["content_digest"]
 
     # The unchanged re-crawl keeps the content digest, so training keyed by it has nothing to redo.
