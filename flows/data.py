@@ -22,6 +22,13 @@ def build_settings(data) -> dict:
     return data.model_dump(mode="json", exclude={"out", "inputs", "seed_urls", "refresh", "crawl", "review"})
 
 
+def with_refresh(config: Config, refresh: bool) -> Config:
+    """The configuration with ``data.refresh`` switched on by a flow's ``refresh`` parameter."""
+    if not refresh:
+        return config
+    return config.model_copy(update={"data": config.data.model_copy(update={"refresh": True})})
+
+
 def run_data_pipeline(config: Config) -> dict:
     """Build the next dataset version inside the current flow; returns its manifest.
 
@@ -62,8 +69,7 @@ def data_flow(config: Config = Config(), refresh: bool = False) -> dict:
     ``refresh``: re-crawl with conditional requests and add only new or changed
     pages, deduplicated against every earlier version (same as ``data.refresh``).
     """
-    if refresh:
-        config = config.model_copy(update={"data": config.data.model_copy(update={"refresh": True})})
+    config = with_refresh(config, refresh)
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("data", {"data": config.data.model_dump(mode="json")}):
         return run_data_pipeline(config)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from crawl2chat.flows.data import run_data_pipeline
+from crawl2chat.flows.data import run_data_pipeline, with_refresh
 from crawl2chat.infra.config import Config
-from crawl2chat.infra.lineage import folder_input_tags, input_tags, model_input_tags
+from crawl2chat.infra.lineage import folder_input_tags, model_input_tags
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks.data import data_lineage
 from crawl2chat.tasks.train import demo_sets_task, dpo_task, ppo_task, pretrain_task, reward_task, sft_task
@@ -40,15 +40,12 @@ def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
     ``refresh``: add only new or changed pages to the existing dataset as a new
     version. Training stages whose inputs and settings are unchanged are reused.
     """
-    if refresh:
-        config = config.model_copy(update={"data": config.data.model_copy(update={"refresh": True})})
+    config = with_refresh(config, refresh)
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
-        lineage = {"crawl2chat.data_digest": manifest["content_digest"], "crawl2chat.data_path": data_out,
-                   "crawl2chat.data_version": str(manifest.get("version")), **input_tags(data=manifest["mlflow_run_id"])}
-        base = _pretrain(config, data_out, lineage)
+        base = _pretrain(config, data_out, data_lineage(data_out))
         post = run_post_training(config, base, data_out)
         return {"data": data_out, "manifest": manifest, "pretrain": base, **post, "run_id": run.info.run_id}
 
@@ -59,8 +56,7 @@ def train_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("train", {"config": config.model_dump(mode="json"), "data": data}) as run:
         data = str(Path(data).resolve())
-        lineage = {"crawl2chat.data_path": data, **data_lineage(data)}
-        base = _pretrain(config, data, lineage)
+        base = _pretrain(config, data, data_lineage(data))
         post = run_post_training(config, base, data)
         return {"data": data, "pretrain": base, **post, "run_id": run.info.run_id}
 
@@ -71,7 +67,7 @@ def pretrain_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("pretrain", {"pretrain": config.pretrain.model_dump(mode="json"), "data": data}):
         data = str(Path(data).resolve())
-        return _pretrain(config, data, {"crawl2chat.data_path": data, **data_lineage(data)})
+        return _pretrain(config, data, data_lineage(data))
 
 
 def _stage_kw(stage) -> dict:

@@ -44,7 +44,7 @@ def file_digest(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def file_dataset(path: str | Path) -> MetaDataset:
-    """A data file (JSONL, Parquet, text) by its content digest."""
+def file_dataset(path: str | Path, sha256: str | None = None) -> MetaDataset:
+    """A data file (JSONL, Parquet, text) by its content digest (``sha256`` when already known)."""
     path = Path(path).resolve()
-    return MetaDataset(_source(str(path)), name=path.name, digest=file_digest(path)[:DIGEST_CHARS])
+    return MetaDataset(_source(str(path)), name=path.name, digest=(sha256 or file_digest(path))[:DIGEST_CHARS])

@@ -552,7 +552,7 @@ def _superseded_rows(out: Path, base: dict[str, Any], new_shards: Sequence[Path]
         return empty
     old = pq.read_table([out / s["path"] for s in base["shards"]], columns=["id", "url"])
     old = old.filter(pc.is_in(old["url"], value_set=new_urls))
-    already = superseded_ids(out)
+    already = superseded_ids(out, base)
     if already and old.num_rows:
         old = old.filter(pc.invert(pc.is_in(old["id"], value_set=pa.array(sorted(already), pa.string()))))
     return old.select(["id", "url"])

@@ -128,11 +128,13 @@ def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def superseded_ids(source: str | os.PathLike) -> frozenset[str]:
+def superseded_ids(source: str | os.PathLike, manifest: dict[str, Any] | None = None) -> frozenset[str]:
     """Ids of documents in a data folder's shards whose page a later version replaced
-    (a refresh that kept a changed page); readers skip them."""
+    (a refresh that kept a changed page); readers skip them. ``manifest``: the
+    version to read them for (default: the folder's current one)."""
     src = Path(source)
-    manifest = read_manifest(src) if src.is_dir() else None
+    if manifest is None:
+        manifest = read_manifest(src) if src.is_dir() else None
     files = [src / f for f in (manifest or {}).get("superseded", [])]
     if not files:
         return frozenset()

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from crawl2chat.stages.dataset_versions import superseded_ids
-from crawl2chat.stages.tokenizer import EOS_TOKEN, is_text_file, shard_files
+from crawl2chat.stages.dataset_versions import shard_files, superseded_ids
+from crawl2chat.stages.tokenizer import EOS_TOKEN, is_text_file
 
 INDEX = "index.json"
 

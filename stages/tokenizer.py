@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from crawl2chat.stages.dataset_versions import iter_documents, shard_files  # noqa: F401 - shard_files: re-exported
+from crawl2chat.stages.dataset_versions import iter_documents
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

@@ -207,38 +207,35 @@ def plan_version_task(out_dir: str, files: Sequence[str], settings: dict, refres
 RUN_FILE = "mlflow_run.json"  # beside a version's manifest: the write run that committed it
 
 
+def version_run_id(out_dir: str | Path, version: str | None) -> str | None:
+    """The MLflow run that committed a dataset version, when this folder recorded it."""
+    try:
+        return json.loads((Path(out_dir) / VERSIONS_DIR / str(version) / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 @task(name="current-version", cache_policy=NO_CACHE)
 def current_version_task(out_dir: str, plan: VersionPlan) -> dict:
-    """The current version already is this build: report it, and hand on its write run for lineage."""
+    """The current version already is this build: report it."""
     manifest = dict(plan.up_to_date or {})
-    version = manifest.get("version")
-    try:
-        manifest["mlflow_run_id"] = json.loads(
-            (Path(out_dir) / VERSIONS_DIR / str(version) / RUN_FILE).read_text())["run_id"]
-    except (OSError, ValueError, KeyError):
-        manifest["mlflow_run_id"] = None
     why = "no new input files" if plan.refresh else "same inputs and settings"
-    print(f"[data] {out_dir} is up to date at {version} ({why}): {manifest.get('documents_kept')} documents",
-          flush=True)
+    print(f"[data] {out_dir} is up to date at {manifest.get('version')} ({why}): "
+          f"{manifest.get('documents_kept')} documents", flush=True)
     return manifest
 
 
 def data_lineage(data: str) -> dict[str, str]:
-    """Lineage tags of a training stage reading a data-stage folder: its version, digest and write run."""
+    """Lineage tags of a training stage reading a data-stage folder: its path, version, digest and write run."""
     from crawl2chat.infra.lineage import input_tags
     from crawl2chat.stages.dataset_versions import read_manifest
 
     manifest = read_manifest(data) if Path(data).is_dir() else None
     if not manifest:
-        return {}
-    tags = {"crawl2chat.data_digest": manifest.get("content_digest", ""),
-            "crawl2chat.data_version": str(manifest.get("version"))}
-    try:
-        run_id = json.loads((Path(data) / VERSIONS_DIR / str(manifest.get("version")) / RUN_FILE).read_text())["run_id"]
-        tags.update(input_tags(data=run_id))
-    except (OSError, ValueError, KeyError):
-        pass
-    return tags
+        return {"crawl2chat.data_path": data}
+    return {"crawl2chat.data_path": data, "crawl2chat.data_digest": manifest.get("content_digest", ""),
+            "crawl2chat.data_version": str(manifest.get("version")),
+            **input_tags(data=version_run_id(data, manifest.get("version")))}
 
 
 def log_dataset(manifest: dict, out_dir: str, context: str) -> None:
@@ -276,7 +273,6 @@ def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, co
                     "unreadable files": len(manifest["unreadable_files"])},
                    {"documents kept": manifest["documents_kept"], "documents dropped": manifest["documents_dropped"],
                     "shards": len(manifest["shards"]), "content digest": manifest["content_digest"]})
-        manifest["mlflow_run_id"] = run.info.run_id  # returned for lineage, not written to disk
     print(f"[data] write    {manifest['version']}: {manifest['version_documents_kept']} new documents, "
           f"{manifest['documents_kept']} in {len(manifest['shards'])} shards -> {out_dir}/manifest.json", flush=True)
     return manifest

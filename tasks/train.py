@@ -221,11 +221,13 @@ def input_identity(path: str) -> str:
     files), a data file by its sha256."""
     from crawl2chat.infra.datasets import file_digest
 
+    from crawl2chat.stages.dataset_versions import read_manifest
+
     p = Path(path).resolve()
     if p.is_dir():
-        manifest = p / "manifest.json"
-        if manifest.exists():
-            return json.loads(manifest.read_text()).get("content_digest", "")
+        manifest = read_manifest(p)
+        if manifest:
+            return manifest.get("content_digest", "")
         run_file = p.parent / RUN_FILE
         if run_file.exists():
             return "run:" + json.loads(run_file.read_text())["key"]
@@ -241,14 +243,15 @@ RUN_FILE = "run.json"  # in a run folder: the stage, its key, inputs and setting
 DONE_FILE = "summary.json"  # in a finished run folder: the summary and its MLflow run
 
 
-def run_folder(out: str | Path, stage: str, inputs: dict[str, str], settings: dict[str, Any]) -> Path:
-    """``OUT/<key>``: the run folder of this stage on these inputs with these settings.
+def run_folder(out: str | Path, stage: str, inputs: dict[str, str], identities: dict[str, str],
+               settings: dict[str, Any]) -> Path:
+    """``OUT/<key>``: the run folder of this stage on these inputs (by their
+    :func:`input_identity`) with these settings.
 
     Changed data or settings give a new key, so a new run starts beside the old
     one; the same key resumes (or, finished, reuses) the run. ``OUT/model`` links
     to the newest finished run's model.
     """
-    identities = {role: input_identity(path) for role, path in sorted(inputs.items()) if path}
     key = hashlib.sha256(json.dumps([stage, identities, settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
     run_dir = Path(out).resolve() / key
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -287,55 +290,64 @@ def finished_run(run_dir: Path) -> dict | None:
     return done
 
 
+def log_data_inputs(inputs: dict[str, str], identities: dict[str, str]) -> None:
+    """Data files and dataset versions among a stage's inputs as MLflow dataset inputs
+    (model folders are linked by run tags instead)."""
+    from crawl2chat.stages.dataset_versions import read_manifest
+
+    for role, path in inputs.items():
+        if not path:
+            continue
+        if Path(path).is_file():
+            mlflow.log_input(file_dataset(path, identities[role].removeprefix("sha256:")), context=role)
+        elif manifest := read_manifest(path):
+            mlflow.log_input(dataset_entity(manifest, path), context=role)
+
+
 def record_training(stage: str, out: str, settings: dict[str, Any], launch: Callable[[str, Callable, str], Any],
-                    params: dict[str, Any], lineage: dict[str, str] | None, registered_name: str | None,
+                    inputs: dict[str, str], lineage: dict[str, str] | None, registered_name: str | None,
                     extra_artifacts: Callable[[dict], None] | None = None,
                     evaluate: Callable[[dict], dict] | None = None,
-                    inputs: dict[str, str] | None = None) -> dict:
+                    params: dict[str, Any] | None = None) -> dict:
     """Run one training stage inside its MLflow child run: settings file, launch, metrics,
     model folder, registration, lineage tags. Returns the stage's summary.
 
-    The run folder is keyed by the stage's inputs and settings (:func:`run_folder`):
-    a re-triggered pipeline finds its finished stages and reuses them.
+    ``inputs`` (role -> path) are logged as parameters (with ``params``) and key
+    the run folder (:func:`run_folder`): a re-triggered pipeline finds its
+    finished stages and reuses them.
     """
     import yaml
 
-    inputs = inputs or {}
-    run_dir = run_folder(out, stage, inputs, settings)
+    identities = {role: input_identity(path) for role, path in sorted(inputs.items()) if path}
+    run_dir = run_folder(out, stage, inputs, identities, settings)
     done = finished_run(run_dir)
     if done:
         link_latest(out, run_dir)
         print(f"[{stage}] already trained on these inputs with these settings: {done['model_dir']} "
               f"(MLflow run {done['run_id']})", flush=True)
         return done
-    out_path = run_dir
-    config_file = out_path / f"{stage}_config.yaml"
+    config_file = run_dir / f"{stage}_config.yaml"
     config_file.write_text(yaml.safe_dump(settings, sort_keys=False))
-    with stage_run(stage, {stage: settings, **params}, tags=lineage) as run:
-        follower = MetricsFollower(out_path / "metrics.jsonl", run.info.run_id)
-        for role, path in inputs.items():
-            if path and Path(path).is_file():
-                mlflow.log_input(file_dataset(path), context=role)
-            elif path and (Path(path) / "manifest.json").exists():
-                mlflow.log_input(dataset_entity(json.loads((Path(path) / "manifest.json").read_text()), path),
-                                 context=role)
+    with stage_run(stage, {stage: settings, **inputs, **(params or {})}, tags=lineage) as run:
+        follower = MetricsFollower(run_dir / "metrics.jsonl", run.info.run_id)
+        log_data_inputs(inputs, identities)
         mlflow.set_tag("crawl2chat.run_key", run_dir.name)
-        launch(str(config_file), _progress_printer(stage, follower), str(out_path))
+        launch(str(config_file), _progress_printer(stage, follower), str(run_dir))
         follower.poll()
-        summary = json.loads((out_path / "metrics.json").read_text())
+        summary = json.loads((run_dir / "metrics.json").read_text())
         mlflow.log_metrics({k: float(v) for k, v in summary.items()
                             if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        mlflow.log_artifact(str(out_path / "metrics.json"))
+        mlflow.log_artifact(str(run_dir / "metrics.json"))
         if extra_artifacts:
             extra_artifacts(summary)
-        model_dir = out_path / "model"
+        model_dir = run_dir / "model"
         summary["model_dir"] = str(model_dir)
         mlflow.set_tag("crawl2chat.model_dir", str(model_dir))
         summary["model_uri"] = log_model_folder(model_dir, registered_name, "current")
         summary["run_id"] = run.info.run_id
         from crawl2chat.stages.trainer import read_metrics
 
-        rows = read_metrics(out_path / "metrics.jsonl")
+        rows = read_metrics(run_dir / "metrics.jsonl")
         plot_curves(rows, ("loss", "val_loss"), f"{stage}: loss", f"{stage}_loss.png")
         plot_curves(rows, ("reward_mean", "kl"), f"{stage}: reward and KL", f"{stage}_reward_kl.png")
         if evaluate:
@@ -345,11 +357,14 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
             except Exception as e:  # noqa: BLE001 - a failed evaluation is recorded, the model stays
                 mlflow.set_tag("crawl2chat.eval_error", f"{type(e).__name__}: {e}"[:5000])
                 print(f"[{stage}] evaluation failed: {type(e).__name__}: {e}", flush=True)
-        log_record(STAGE_GOALS.get(stage, stage), settings, {k: v for k, v in params.items()},
+        log_record(STAGE_GOALS.get(stage, stage), settings, {**inputs, **(params or {})},
                    {k: v for k, v in {**summary, **summary.get("eval", {})}.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
     summary["tracking_uri"] = mlflow.get_tracking_uri()
-    (run_dir / DONE_FILE).write_text(json.dumps(summary, indent=2, default=str))
+    # Written last and renamed into place: its presence means trained and recorded.
+    tmp = run_dir / f".{DONE_FILE}.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    os.replace(tmp, run_dir / DONE_FILE)
     link_latest(out, run_dir)
     return summary
 
@@ -403,11 +418,11 @@ def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: 
         mlflow.log_artifacts(summary["tokenizer"], artifact_path="tokenizer")
         mlflow.set_tag("crawl2chat.tokenizer", summary["tokenizer"])
 
-    summary = record_training("pretrain", out, settings, launch, {"data": data, "num_processes": num_processes},
-                              lineage, registered_name, tokenizer_artifacts,
+    summary = record_training("pretrain", out, settings, launch, {"data": data}, lineage, registered_name,
+                              tokenizer_artifacts,
                               evaluate=lambda s: evaluate_causal_lm(s["model_dir"], data, chat=False,
                                                                     val_fraction=settings.get("val_fraction", 0.1)),
-                              inputs={"data": data})
+                              params={"num_processes": num_processes})
     print(f"[pretrain] val_loss {summary['val_loss']:.3f}  val_bpb {summary['val_bpb']:.3f}  "
           f"{summary.get('tokens_per_second', 0):.0f} tokens/s -> {summary['model_dir']}", flush=True)
     return summary
@@ -423,8 +438,7 @@ def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_proce
         lambda cfg, on_line, run_dir: run_sft(base, data, run_dir, config=cfg, on_line=on_line,
                                               **_launch_kw(num_processes, accelerate_config)),
         {"base": base, "data": data}, lineage, registered_name,
-        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True),
-        inputs={"base": base, "data": data})
+        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
     print(f"[sft] {summary.get('steps')} steps, val_loss {summary.get('val_loss', float('nan')):.3f} -> {summary['model_dir']}",
           flush=True)
     return summary
@@ -439,7 +453,7 @@ def reward_task(base: str, data: str, out: str, settings: dict[str, Any], num_pr
         "reward", out, settings,
         lambda cfg, on_line, run_dir: run_reward(base, data, run_dir, config=cfg, on_line=on_line,
                                                  **_launch_kw(num_processes, accelerate_config)),
-        {"base": base, "data": data}, lineage, registered_name, inputs={"base": base, "data": data})
+        {"base": base, "data": data}, lineage, registered_name)
     print(f"[reward] eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f} -> {summary['model_dir']}", flush=True)
     return summary
 
@@ -465,8 +479,7 @@ def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[st
         lambda cfg, on_line, run_dir: run_ppo(policy, reward, prompts, run_dir, config=cfg, on_line=on_line,
                                               **_launch_kw(num_processes, accelerate_config)),
         {"policy": policy, "reward": reward, "prompts": prompts}, lineage, registered_name,
-        evaluate=lambda s: _evaluate_policy(s["model_dir"], policy, reward, prompts, eval_data),
-        inputs={"policy": policy, "reward": reward, "prompts": prompts})
+        evaluate=lambda s: _evaluate_policy(s["model_dir"], policy, reward, prompts, eval_data))
     print(f"[ppo] reward {summary.get('reward_mean_first', float('nan')):.3f} -> "
           f"{summary.get('reward_mean_last', float('nan')):.3f}, KL {summary.get('kl_last', float('nan')):.3f} "
           f"-> {summary['model_dir']}", flush=True)
@@ -483,8 +496,7 @@ def dpo_task(policy: str, data: str, out: str, settings: dict[str, Any], num_pro
         lambda cfg, on_line, run_dir: run_dpo(policy, data, run_dir, config=cfg, on_line=on_line,
                                               **_launch_kw(num_processes, accelerate_config)),
         {"policy": policy, "data": data}, lineage, registered_name,
-        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True),
-        inputs={"policy": policy, "data": data})
+        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
     print(f"[dpo] eval_reward_accuracy {summary.get('eval_reward_accuracy', float('nan')):.3f} -> "
           f"{summary['model_dir']}", flush=True)
     return summary
