@@ -32,7 +32,8 @@ import psutil
 import ray
 from ray.data.context import ShuffleStrategy
 
-from crawl2chat.stages.dedup import DedupConfig, dedup, word_shingles
+from crawl2chat.stages.data.dedup import dedup, word_shingles
+from crawl2chat.stages.data.settings import DedupConfig
 
 EDIT_RATES = (0.01, 0.02, 0.03, 0.05, 0.10, 0.20, 0.40)
 VOCAB = ["".join(letters) for letters in itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=3)]

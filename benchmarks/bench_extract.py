@@ -28,8 +28,8 @@ from pathlib import Path
 from resiliparse.extract.html2text import extract_plain_text
 from warcio.archiveiterator import ArchiveIterator
 
-from crawl2chat.stages.extract import decode_body, html_to_text, parse_content_type
-from crawl2chat.stages.warc_input import list_input_files
+from crawl2chat.stages.data.extract import decode_body, html_to_text, parse_content_type
+from crawl2chat.stages.data.warc_input import list_input_files
 
 WARC_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "warc"
 EXTRACTORS = ("resiliparse", "trafilatura")

@@ -40,10 +40,10 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 def make_models(root: Path, preset: str, vocab: int, seq_len: int) -> tuple[Path, Path]:
     from transformers import AutoTokenizer
 
-    from crawl2chat.stages.models import build_model, model_config, num_params
-    from crawl2chat.stages.pretrain import save_model
-    from crawl2chat.stages.reward import load_reward_model
-    from crawl2chat.stages.tokenizer import train_tokenizer
+    from crawl2chat.stages.training.models import build_model, model_config, num_params
+    from crawl2chat.stages.training.stage import save_model
+    from crawl2chat.stages.training.reward import load_reward_model
+    from crawl2chat.stages.training.tokenizer import train_tokenizer
 
     tok_dir = root / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     args = p.parse_args()
 
-    from crawl2chat.tasks.train import run_ppo as launch
+    from crawl2chat.tasks.train import launch_training
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def main() -> None:
 
         shutil.rmtree(run, ignore_errors=True)
         t0 = time.perf_counter()
-        launch(str(base), str(rm), str(prompts), str(run), max_steps=args.rollouts,
+        launch_training("ppo", {"policy": str(base), "reward": str(rm), "prompts": str(prompts)}, str(run), max_steps=args.rollouts,
                overrides=[f"rollout_batch_size={args.batch}", f"micro_batch_size={args.minibatch}",
                           f"ppo_epochs={args.epochs}", f"max_new_tokens={args.new_tokens}", "lr=1e-5",
                           "missing_eos_penalty=0", "save_value_model=false"])

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from crawl2chat.stages.pretrain import launch
-from crawl2chat.stages.trainer import measure_peak_flops
+from crawl2chat.tasks.train import launch_training
+from crawl2chat.stages.training.trainer import measure_peak_flops
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 NANOGPT_REF_BPB = 2.71
@@ -39,8 +39,8 @@ NANOGPT_REF_BPB = 2.71
 def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: int) -> dict:
     run = out / f"{preset}-np{num_processes}"
     t0 = time.perf_counter()
-    launch(str(data), str(run), preset=preset, max_steps=steps, num_processes=num_processes,
-           overrides=["vocab_size=2048", "val_fraction=0.1", "seq_len=256", "micro_batch_size=8",
+    launch_training("pretrain", {"data": str(data)}, str(run), max_steps=steps, num_processes=num_processes,
+                    overrides=[f"preset={preset}", "vocab_size=2048", "val_fraction=0.1", "seq_len=256", "micro_batch_size=8",
                       "eval_every=0", "checkpoint_every=0", "eval_batches=2", "warmup_steps=5",
                       f"tokenizer={out / 'tokenizer'}"])
     m = json.loads((run / "metrics.json").read_text())
@@ -56,8 +56,8 @@ def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: in
 def quality(out: Path, steps: int) -> dict:
     run = out / "shakespeare"
     t0 = time.perf_counter()
-    launch(str(SHAKESPEARE), str(run), preset="cpu-small", max_steps=steps, num_processes=1,
-           overrides=["vocab_size=512", "val_fraction=0.1", "seq_len=64", "micro_batch_size=12", "grad_accum=1",
+    launch_training("pretrain", {"data": str(SHAKESPEARE)}, str(run), max_steps=steps, num_processes=1,
+                    overrides=["preset=cpu-small", "vocab_size=512", "val_fraction=0.1", "seq_len=64", "micro_batch_size=12", "grad_accum=1",
                       "lr=1e-3", "min_lr=1e-4", "warmup_steps=100", "schedule=cosine", "weight_decay=0.1",
                       "betas=[0.9, 0.99]", f"eval_every={max(1, steps // 4)}", "eval_batches=50",
                       f"checkpoint_every={max(1, steps // 4)}"])

@@ -1,6 +1,6 @@
 """Incremental refresh of a dataset against a full rebuild, side by side.
 
-The data stage commits dataset versions (stages/dataset_versions.py). A refresh
+The data stage commits dataset versions (stages/data/versions.py). A refresh
 (``data.refresh=true``, ``data_flow(cfg, refresh=True)``) reads only the input
 files no earlier version read, deduplicates them against the persisted dedup
 indexes of every earlier version, and commits a version that lists the earlier
@@ -282,7 +282,7 @@ class RunResult:
 
 def run_flow(label: str, home: Path, out: Path, inputs: list[str], refresh: bool, workers: int) -> RunResult:
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.infra.config import load_config
+    from crawl2chat.stages.settings import load_config
 
     cfg = load_config(overrides={"home": str(home), "data.out": str(out), "data.inputs": list(inputs)})
     print(f"--- {label}: {'refresh' if refresh else 'full build'} of {len(inputs)} input files -> {out.name}",

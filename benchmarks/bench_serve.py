@@ -1,6 +1,6 @@
 """Serving latency and throughput, fp32 against dynamic int8, on loopback.
 
-For each of fp32 and int8 the server (``python -m crawl2chat.stages.serve``)
+For each of fp32 and int8 the server (``python -m crawl2chat.stages.inference.serve``)
 runs in its own process on 127.0.0.1 and a client in this process measures:
 
 * latency, one request at a time: time to first token (request sent -> first
@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def build_model(out: Path, preset: str) -> Path:
-    from crawl2chat.stages.generation import init_model_dir
+    from crawl2chat.stages.inference.generation import init_model_dir
 
     text = SHAKESPEARE
     if not text.exists():
@@ -57,7 +57,7 @@ def build_model(out: Path, preset: str) -> Path:
 
 def start_server(model: Path, quantize: str, max_concurrent: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "crawl2chat.stages.serve", "--model", str(model), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "crawl2chat.stages.inference.serve", "--model", str(model), "--port",
                              str(port), "--quantize", quantize, "--max-concurrent", str(max_concurrent),
                              "--max-queue", "64", "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

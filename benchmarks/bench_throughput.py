@@ -74,7 +74,7 @@ DEFAULT_INPUTS = [
 STEPS = ("extract", "langid", "quality", "dedup")
 LANGID_MIN_SCORE = 0.65
 MINHASH = {"bands": 14, "rows": 8, "ngram": 5}
-# The options crawl2chat's html_to_text passes to trafilatura (stages/extract.py).
+# The options crawl2chat's html_to_text passes to trafilatura (stages/data/extract.py).
 TRAFILATURA_KW = {"include_comments": False, "include_tables": True, "deduplicate": False,
                   "with_metadata": False}
 
@@ -230,10 +230,10 @@ def _set_first(model_cls, tree: dict, candidates: dict[str, list[str]]) -> None:
 
 def crawl2chat_side(args: argparse.Namespace) -> None:
     t_import = time.time()
-    from crawl2chat.infra.config import load_config
+    from crawl2chat.stages.settings import load_config
     from crawl2chat.infra.ray_runtime import ensure_ray
-    from crawl2chat.stages import data_pipeline as dp
-    from crawl2chat.stages.dedup import DedupConfig
+    from crawl2chat.stages.data import pipeline as dp
+    from crawl2chat.stages.data.settings import DedupConfig
 
     dedup_over: dict = {}
     _set_first(DedupConfig, dedup_over, {
@@ -500,7 +500,7 @@ def main() -> None:
     if "datatrove" in sides and not os.path.exists(args.bench_python):
         sys.exit(f"{args.bench_python} not found: build the datatrove venv (benchmarks/README.md) "
                  "or pass --sides crawl2chat")
-    from crawl2chat.stages.langid import bundled_model_path
+    from crawl2chat.stages.data.langid import bundled_model_path
 
     lid = bundled_model_path()
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-throughput-"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Optional
@@ -9,6 +10,7 @@ from typing import Optional
 import typer
 
 from crawl2chat.infra.prefect_runtime import configure_prefect_env
+from crawl2chat.stages.training.registry import STAGES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="From raw web pages to an aligned chat model.")
 
@@ -17,20 +19,20 @@ SET_OPT = typer.Option(None, "--set", help="Override a config field: KEY.PATH=VA
 
 
 def _load(config: Optional[Path], overrides: dict, sets: Optional[list[str]]):
-    from crawl2chat.infra.config import ConfigError, load_config, parse_override
+    from crawl2chat.stages.settings import SettingsError, load_config, parse_override
 
     try:
         merged = dict(parse_override(s) for s in (sets or []))
         merged.update({k: v for k, v in overrides.items() if v not in (None, [], ())})
         return load_config(config, merged)
-    except ConfigError as e:
+    except SettingsError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = 1) -> None:
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(status)
 
 
 @app.command()
@@ -47,7 +49,7 @@ def data(
                          "data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.stages.data_pipeline import NothingUsableError
+    from crawl2chat.stages.data.pipeline import NothingUsableError
 
     try:
         manifest = data_flow(cfg)
@@ -75,27 +77,6 @@ def _mlflow_hint(cfg) -> str:
 
 
 @app.command()
-def pretrain(
-    data: str = typer.Option(..., "--data", help="A data-stage output folder (DIR/shards) or a plain text file."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run folder; re-running on it resumes."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Model preset: tiny, cpu-small, cpu, 124m, 1b."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps."),
-    num_processes: Optional[int] = typer.Option(None, "--num-processes", help="Processes (DDP when > 1)."),
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-) -> None:
-    """Tokenizer and base model, trained from scratch under `accelerate launch`."""
-    cfg = _load(config, {"pretrain.out": out, "pretrain.train.preset": preset,
-                         "pretrain.train.max_steps": max_steps, "pretrain.num_processes": num_processes}, set_)
-    configure_prefect_env(cfg.home)
-    from crawl2chat.flows.pipeline import pretrain_flow
-
-    summary = pretrain_flow(cfg, data)
-    typer.echo(f"\nbase model: {summary['model_dir']}\n  val_loss {summary['val_loss']:.4f}, "
-               f"val_bpb {summary['val_bpb']:.4f}, {summary['steps']} steps\n  MLflow: {summary.get('model_uri')}")
-
-
-@app.command()
 def train(
     data: str = typer.Option(..., "--data", help="A data-stage output folder (its current version is read)."),
     config: Optional[Path] = CONFIG_OPT,
@@ -106,81 +87,72 @@ def train(
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.pipeline import train_flow
 
-    result = train_flow(cfg, data)
+    result = _guarded(lambda: train_flow(cfg, data))
     typer.echo("\n".join(f"{name + ' model:':<14} {result[name]['model_dir']}"
                           for name in ("pretrain", "sft", "reward", "ppo", "dpo") if name in result))
 
 
-def _run_stage_flow(flow_name: str, config: Optional[Path], overrides: dict, sets: Optional[list[str]], **inputs) -> dict:
-    cfg = _load(config, overrides, sets)
-    configure_prefect_env(cfg.home)
-    from crawl2chat.flows import pipeline
+def _guarded(body):
+    """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence)
+    ends in one sentence and exit status 2, the full trace being in the run's log."""
+    from crawl2chat.stages.data.pipeline import NothingUsableError
+    from crawl2chat.stages.settings import SettingsError
+    from crawl2chat.tasks.train import StageFailed
 
-    summary = getattr(pipeline, f"{flow_name}_flow")(cfg, **inputs)
-    typer.echo(f"\n{flow_name} model: {summary['model_dir']}\n  MLflow: {summary.get('model_uri')} (run {summary['run_id']})")
-    return summary
-
-
-@app.command()
-def sft(
-    base: str = typer.Option(..., "--base", help="Base model folder (Hugging Face format)."),
-    data: str = typer.Option(..., "--data", help="Chat data: JSONL or Parquet (messages | prompt+response | instruction+input+output)."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run folder; re-running on it resumes."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
-    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-) -> None:
-    """Supervised fine-tuning: loss on assistant tokens only, packed sequences."""
-    _run_stage_flow("sft", config, {"sft.out": out, "sft.train.max_steps": max_steps,
-                                    "sft.num_processes": num_processes}, set_, base=base, data=data)
+    try:
+        return body()
+    except StageFailed as e:
+        if not e.permanent:
+            raise
+        _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
+    except (NothingUsableError, FileNotFoundError) as e:
+        _fail(str(e))
+    except SettingsError as e:
+        _fail(str(e), 2)
 
 
-@app.command()
-def reward(
-    base: str = typer.Option(..., "--base", help="Base model folder."),
-    data: str = typer.Option(..., "--data", help="Preference pairs: prompt+chosen+rejected[+margin], or HH transcripts."),
-    out: Optional[str] = typer.Option(None, "--out", "-o"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
-    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-) -> None:
-    """Reward model: scalar head, pairwise loss, held-out accuracy."""
-    _run_stage_flow("reward", config, {"reward.out": out, "reward.train.max_steps": max_steps,
-                                       "reward.num_processes": num_processes}, set_, base=base, data=data)
+def _stage_command(name: str):
+    """The ``crawl2chat <stage>`` command of a registry entry: its inputs as options,
+    plus --out, --max-steps, --num-processes, the stage's shortcuts, --config, --set."""
+    stage = STAGES[name]
+
+    def command(**kw) -> None:
+        overrides = {f"{name}.out": kw.pop("out"), f"{name}.train.max_steps": kw.pop("max_steps"),
+                     f"{name}.num_processes": kw.pop("num_processes")}
+        for setting, _ in stage.options:
+            overrides[f"{name}.train.{setting}"] = kw.pop(setting)
+        cfg = _load(kw.pop("config"), overrides, kw.pop("set_"))
+        configure_prefect_env(cfg.home)
+        from crawl2chat.flows.pipeline import STAGE_FLOWS
+
+        summary = _guarded(lambda: STAGE_FLOWS[name](cfg, **kw))
+        typer.echo(f"\n{name} model: {summary['model_dir']}\n  {stage.report(summary)}\n"
+                   f"  MLflow: {summary.get('model_uri')} (run {summary['run_id']})")
+
+    P = inspect.Parameter
+    params = [P(i.name, P.KEYWORD_ONLY, annotation=str, default=typer.Option(..., f"--{i.name}", help=i.help))
+              for i in stage.inputs]
+    params += [
+        P("out", P.KEYWORD_ONLY, annotation=Optional[str],
+          default=typer.Option(None, "--out", "-o", help="Run folder; re-running on it resumes.")),
+        P("max_steps", P.KEYWORD_ONLY, annotation=Optional[int],
+          default=typer.Option(None, "--max-steps", help=stage.max_steps_help)),
+        P("num_processes", P.KEYWORD_ONLY, annotation=Optional[int],
+          default=typer.Option(None, "--num-processes", help="Processes (DDP when > 1).")),
+        *(P(setting, P.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(None, f"--{setting}", help=h))
+          for setting, h in stage.options),
+        P("config", P.KEYWORD_ONLY, annotation=Optional[Path], default=CONFIG_OPT),
+        P("set_", P.KEYWORD_ONLY, annotation=Optional[list[str]], default=SET_OPT),
+    ]
+    command.__signature__ = inspect.Signature(params, return_annotation=None)
+    command.__name__ = name
+    example = " ".join(f"--{i.name} {i.default or 'FILE'}" for i in stage.inputs)
+    command.__doc__ = f"{stage.goal}\n\nExample: crawl2chat {name} {example} --max-steps 100"
+    app.command(name)(command)
 
 
-@app.command()
-def ppo(
-    policy: str = typer.Option(..., "--policy", help="SFT model folder (actor and frozen reference)."),
-    reward_model: str = typer.Option(..., "--reward", help="Reward model folder (frozen scorer, critic init)."),
-    prompts: str = typer.Option(..., "--prompts", help="Prompts: JSONL/Parquet with `prompt` or `messages`."),
-    out: Optional[str] = typer.Option(None, "--out", "-o"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Rollouts."),
-    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-) -> None:
-    """PPO with a KL penalty to the reference, GAE, clipped policy and value losses."""
-    _run_stage_flow("ppo", config, {"ppo.out": out, "ppo.train.max_steps": max_steps,
-                                    "ppo.num_processes": num_processes}, set_,
-                    policy=policy, reward=reward_model, prompts=prompts)
-
-
-@app.command()
-def dpo(
-    policy: str = typer.Option(..., "--policy", help="SFT model folder (policy and frozen reference)."),
-    data: str = typer.Option(..., "--data", help="Preference pairs."),
-    out: Optional[str] = typer.Option(None, "--out", "-o"),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps"),
-    num_processes: Optional[int] = typer.Option(None, "--num-processes"),
-    config: Optional[Path] = CONFIG_OPT,
-    set_: Optional[list[str]] = SET_OPT,
-) -> None:
-    """Direct Preference Optimisation against a frozen reference."""
-    _run_stage_flow("dpo", config, {"dpo.out": out, "dpo.train.max_steps": max_steps,
-                                    "dpo.num_processes": num_processes}, set_, policy=policy, data=data)
+for _name in STAGES:
+    _stage_command(_name)
 
 
 @app.command()
@@ -193,12 +165,8 @@ def run(
     cfg = _load(config, {"data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.pipeline import pipeline_flow
-    from crawl2chat.stages.data_pipeline import NothingUsableError
 
-    try:
-        result = pipeline_flow(cfg)
-    except NothingUsableError as e:
-        _fail(str(e))
+    result = _guarded(lambda: pipeline_flow(cfg))
     manifest, base = result["manifest"], result["pretrain"]
     data_out = Path(result["data"])
     lines = [
@@ -249,8 +217,8 @@ def serve_flows(
     serve(
         pipeline.pipeline_flow.to_deployment(name="pipeline"),
         data_flow.to_deployment(name="data-refresh", cron=refresh_cron, parameters={"refresh": True}),
-        *(getattr(pipeline, f"{name}_flow").to_deployment(name=name)
-          for name in ("train", "pretrain", "sft", "reward", "ppo", "dpo")),
+        pipeline.train_flow.to_deployment(name="train"),
+        *(f.to_deployment(name=name) for name, f in pipeline.STAGE_FLOWS.items()),
     )
 
 

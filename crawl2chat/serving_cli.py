@@ -39,7 +39,7 @@ def eval_command(
     """Bits per byte, perplexity, multiple choice and sample generations of a model."""
     _check_model(model)
     _check_quantize(quantize)
-    from crawl2chat.stages.evaluate import main
+    from crawl2chat.stages.inference.evaluate import main
 
     argv = ["--model", model, "--mc-tasks", str(mc_tasks), "--max-tokens", str(max_tokens),
             "--quantize", quantize or "none"]
@@ -62,7 +62,7 @@ def export_command(
     """Add generation config and chat template, check the reload, optionally measure int8."""
     _check_model(model)
     _check_quantize(quantize)
-    from crawl2chat.stages.export import REPORT, export_model
+    from crawl2chat.stages.inference.export import REPORT, export_model
 
     report = export_model(model, out, quantize=quantize, data=data, compile_check=compile_check)
     r = report["reload"]
@@ -97,7 +97,7 @@ def serve_command(
     """HTTP server: /health, /generate (streaming) and OpenAI-compatible /v1/chat/completions."""
     _check_model(model)
     _check_quantize(quantize)
-    from crawl2chat.stages.serve import serve
+    from crawl2chat.stages.inference.serve import serve
 
     typer.echo(f"serving {model} on http://{host}:{port}  (OpenAI base URL http://{host}:{port}/v1)")
     serve(model, host=host, port=port, quantize=quantize, max_concurrent=max_concurrent, max_queue=max_queue,
@@ -115,7 +115,7 @@ def chat_command(
     """Terminal chat on the serving code path (chat template, KV-cache streaming). /reset, /exit."""
     _check_model(model)
     _check_quantize(quantize)
-    from crawl2chat.stages.generation import Engine, SamplingParams
+    from crawl2chat.stages.inference.generation import Engine, SamplingParams
 
     engine = Engine(model, quantize=quantize)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from crawl2chat.infra.config import Config
+from crawl2chat.stages.settings import Config
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks import data as t
 

@@ -2,35 +2,38 @@
 
 ``pipeline``: crawl/ingest -> data stage -> tokenizer + pretraining -> SFT ->
 reward model -> PPO (and DPO when enabled), under one MLflow parent run with a
-child run per stage. ``pretrain``, ``sft``, ``reward``, ``ppo``, ``dpo``: one
-stage from existing inputs.
+child run per stage. ``train``: every training stage from an existing dataset.
+One single-stage flow per entry of the training registry
+(:data:`crawl2chat.stages.training.registry.STAGES`): ``pretrain_flow``,
+``sft_flow``, ``reward_flow``, ``ppo_flow``, ``dpo_flow``, each taking the
+settings and the stage's inputs as parameters.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from prefect import flow
 
 from crawl2chat.flows.data import run_data_pipeline, with_refresh
-from crawl2chat.infra.config import Config
 from crawl2chat.infra.lineage import folder_input_tags, model_input_tags
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
+from crawl2chat.stages.settings import Config, SettingsError
+from crawl2chat.stages.training.registry import STAGES, TrainingStage
 from crawl2chat.tasks.data import data_lineage
-from crawl2chat.tasks.train import demo_sets_task, dpo_task, ppo_task, pretrain_task, reward_task, sft_task
+from crawl2chat.tasks.train import demo_sets_task, training_task
 
 
-def _pretrain(config: Config, data: str, lineage: dict[str, str]) -> dict:
-    stage = config.pretrain
-    return pretrain_task(
-        data,
-        str(Path(stage.out).resolve()),
-        stage.train.model_dump(mode="json"),
-        num_processes=stage.num_processes,
-        accelerate_config=stage.accelerate_config,
-        lineage=lineage,
-        registered_name=stage.registered_name,
-    )
+def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str, str],
+          eval_data: str | None = None) -> dict:
+    """Run one training stage with its section of the settings, as a Prefect task."""
+    section = getattr(config, stage)
+    return training_task(stage)(
+        stage, {name: str(Path(path).resolve()) for name, path in inputs.items()}, str(Path(section.out).resolve()),
+        section.train.model_dump(mode="json"), num_processes=section.num_processes,
+        accelerate_config=section.accelerate_config, lineage=lineage, registered_name=section.registered_name,
+        eval_data=eval_data)
 
 
 @flow(name="pipeline")
@@ -45,7 +48,7 @@ def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
-        base = _pretrain(config, data_out, data_lineage(data_out))
+        base = train(config, "pretrain", {"data": data_out}, data_lineage(data_out))
         post = run_post_training(config, base, data_out)
         return {"data": data_out, "manifest": manifest, "pretrain": base, **post, "run_id": run.info.run_id}
 
@@ -56,23 +59,9 @@ def train_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("train", {"config": config.model_dump(mode="json"), "data": data}) as run:
         data = str(Path(data).resolve())
-        base = _pretrain(config, data, data_lineage(data))
+        base = train(config, "pretrain", {"data": data}, data_lineage(data))
         post = run_post_training(config, base, data)
         return {"data": data, "pretrain": base, **post, "run_id": run.info.run_id}
-
-
-@flow(name="pretrain")
-def pretrain_flow(config: Config = Config(), data: str = "runs/data") -> dict:
-    """A tokenizer and base model from a data-stage output folder or a plain text file."""
-    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
-    with pipeline_run("pretrain", {"pretrain": config.pretrain.model_dump(mode="json"), "data": data}):
-        data = str(Path(data).resolve())
-        return _pretrain(config, data, data_lineage(data))
-
-
-def _stage_kw(stage) -> dict:
-    return {"num_processes": stage.num_processes, "accelerate_config": stage.accelerate_config,
-            "registered_name": stage.registered_name}
 
 
 def run_post_training(config: Config, base: dict, shards: str) -> dict:
@@ -85,61 +74,54 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     prompts = config.ppo.prompts or demo["prompts"]
 
     base_tags = model_input_tags(base=base)
-    sft = sft_task(base["model_dir"], sft_data, str(Path(config.sft.out).resolve()),
-                   config.sft.train.model_dump(mode="json"), lineage=base_tags, eval_data=shards, **_stage_kw(config.sft))
-    rm = reward_task(base["model_dir"], pref_data, str(Path(config.reward.out).resolve()),
-                     config.reward.train.model_dump(mode="json"), lineage=base_tags, **_stage_kw(config.reward))
-    policy = ppo_task(sft["model_dir"], rm["model_dir"], prompts, str(Path(config.ppo.out).resolve()),
-                      config.ppo.train.model_dump(mode="json"),
-                      lineage=model_input_tags(sft=sft, reward=rm), eval_data=shards,
-                      **_stage_kw(config.ppo))
+    sft = train(config, "sft", {"base": base["model_dir"], "data": sft_data}, base_tags, eval_data=shards)
+    rm = train(config, "reward", {"base": base["model_dir"], "data": pref_data}, base_tags)
+    policy = train(config, "ppo", {"policy": sft["model_dir"], "reward": rm["model_dir"], "prompts": prompts},
+                   model_input_tags(sft=sft, reward=rm), eval_data=shards)
     result = {"sft": sft, "reward": rm, "ppo": policy}
     if config.dpo.enabled:
-        result["dpo"] = dpo_task(sft["model_dir"], config.dpo.data or pref_data, str(Path(config.dpo.out).resolve()),
-                                 config.dpo.train.model_dump(mode="json"), lineage=model_input_tags(sft=sft),
-                                 eval_data=shards, **_stage_kw(config.dpo))
+        result["dpo"] = train(config, "dpo", {"policy": sft["model_dir"], "data": config.dpo.data or pref_data},
+                              model_input_tags(sft=sft), eval_data=shards)
     return result
 
 
-def _single_stage(name: str, config: Config, params: dict, body) -> dict:
-    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
-    with pipeline_run(name, params):
-        return body()
+def stage_inputs(stage: TrainingStage, config: Config, given: dict[str, str]) -> dict[str, str]:
+    """The stage's inputs: given values, else the stage's settings field that supplies one."""
+    section = getattr(config, stage.name)
+    inputs = {}
+    for item in stage.inputs:
+        value = given.get(item.name) or (getattr(section, item.setting) if item.setting else None)
+        if not value:
+            where = f" or the setting {stage.name}.{item.setting}" if item.setting else ""
+            raise SettingsError(f"{stage.name}: no {item.name} given (the --{item.name} option{where})")
+        inputs[item.name] = value
+    return inputs
 
 
-@flow(name="sft")
-def sft_flow(config: Config = Config(), base: str = "runs/pretrain/model", data: str = "") -> dict:
-    """Supervised fine-tuning of a base model folder on chat data (JSONL or Parquet)."""
-    data = data or config.sft.data or ""
-    return _single_stage("sft", config, {"base": base, "data": data}, lambda: sft_task(
-        str(Path(base).resolve()), str(Path(data).resolve()), str(Path(config.sft.out).resolve()),
-        config.sft.train.model_dump(mode="json"), lineage=folder_input_tags(base=base), **_stage_kw(config.sft)))
+def _single_stage_flow(stage: TrainingStage):
+    """A flow ``<stage>`` taking ``config`` and the stage's inputs as parameters
+    (defaults: where the pipeline leaves them), so the Prefect UI renders a form."""
+
+    def run_stage(config: Config = Config(), **given: str) -> dict:
+        inputs = stage_inputs(stage, config, given)
+        setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+        with pipeline_run(stage.name, {stage.name: getattr(config, stage.name).model_dump(mode="json"), **inputs}):
+            if stage.prepare_on_host:  # a stage that reads a dataset links its version's run
+                lineage = data_lineage(str(Path(inputs["data"]).resolve()))
+            else:
+                lineage = folder_input_tags(**{i.model_role: inputs[i.name] for i in stage.inputs if i.model_role})
+            return train(config, stage.name, inputs, lineage)
+
+    params = [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=Config(), annotation=Config)]
+    params += [inspect.Parameter(i.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=i.default, annotation=str)
+               for i in stage.inputs]
+    run_stage.__signature__ = inspect.Signature(params, return_annotation=dict)
+    run_stage.__annotations__ = {"config": Config, **{i.name: str for i in stage.inputs}, "return": dict}
+    run_stage.__name__ = run_stage.__qualname__ = f"{stage.name}_flow"
+    run_stage.__doc__ = stage.goal
+    return flow(name=stage.name, description=stage.goal)(run_stage)
 
 
-@flow(name="reward")
-def reward_flow(config: Config = Config(), base: str = "runs/pretrain/model", data: str = "") -> dict:
-    """A reward model from a base model folder and preference pairs."""
-    data = data or config.reward.data or ""
-    return _single_stage("reward", config, {"base": base, "data": data}, lambda: reward_task(
-        str(Path(base).resolve()), str(Path(data).resolve()), str(Path(config.reward.out).resolve()),
-        config.reward.train.model_dump(mode="json"), lineage=folder_input_tags(base=base), **_stage_kw(config.reward)))
-
-
-@flow(name="ppo")
-def ppo_flow(config: Config = Config(), policy: str = "runs/sft/model", reward: str = "runs/reward/model",
-             prompts: str = "") -> dict:
-    """PPO of an SFT policy against a reward model."""
-    prompts = prompts or config.ppo.prompts or ""
-    return _single_stage("ppo", config, {"policy": policy, "reward": reward, "prompts": prompts}, lambda: ppo_task(
-        str(Path(policy).resolve()), str(Path(reward).resolve()), str(Path(prompts).resolve()),
-        str(Path(config.ppo.out).resolve()), config.ppo.train.model_dump(mode="json"),
-        lineage=folder_input_tags(sft=policy, reward=reward), **_stage_kw(config.ppo)))
-
-
-@flow(name="dpo")
-def dpo_flow(config: Config = Config(), policy: str = "runs/sft/model", data: str = "") -> dict:
-    """DPO of an SFT policy on preference pairs."""
-    data = data or config.dpo.data or ""
-    return _single_stage("dpo", config, {"policy": policy, "data": data}, lambda: dpo_task(
-        str(Path(policy).resolve()), str(Path(data).resolve()), str(Path(config.dpo.out).resolve()),
-        config.dpo.train.model_dump(mode="json"), lineage=folder_input_tags(sft=policy), **_stage_kw(config.dpo)))
+STAGE_FLOWS = {name: _single_stage_flow(stage) for name, stage in STAGES.items()}
+# Module attributes, so a deployment's entrypoint can name each: flows/pipeline.py:sft_flow.
+globals().update({f"{name}_flow": f for name, f in STAGE_FLOWS.items()})

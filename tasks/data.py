@@ -22,10 +22,10 @@ from prefect.cache_policies import NO_CACHE
 from crawl2chat.infra.ray_runtime import ensure_ray
 from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
-from crawl2chat.stages import data_pipeline as steps
-from crawl2chat.stages.data_pipeline import StepResult
-from crawl2chat.stages.dataset_versions import VERSIONS_DIR, VersionPlan, plan_version
-from crawl2chat.infra.datasets import dataset_entity
+from crawl2chat.stages.data import pipeline as steps
+from crawl2chat.stages.data.pipeline import StepResult
+from crawl2chat.stages.data.versions import VERSIONS_DIR, VersionPlan, plan_version
+from crawl2chat.infra.mlflow_datasets import dataset_entity
 
 
 def metric_name(text: str) -> str:
@@ -86,8 +86,8 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
     asks for a re-crawl (conditional requests: only new and changed pages are
     downloaded again). Returns every WARC file of the crawl folder.
     """
-    from crawl2chat.stages.crawl import crawl
-    from crawl2chat.stages.local_site import PydocSite
+    from crawl2chat.stages.data.crawl import crawl
+    from crawl2chat.stages.data.local_site import PydocSite
 
     params = crawl_cfg.model_dump()
     crawl_dir = Path(out_dir) / "crawl"
@@ -192,7 +192,7 @@ def balance_task(upstream: StepResult, work_dir: str, cfg: Any, prior: dict | No
 
 def list_inputs(inputs: Sequence[str]) -> list[str]:
     """The WARC/WET files named by files, folders and fsspec URLs."""
-    from crawl2chat.stages.warc_input import list_input_files
+    from crawl2chat.stages.data.warc_input import list_input_files
 
     return list_input_files(list(inputs)) if inputs else []
 
@@ -228,7 +228,7 @@ def current_version_task(out_dir: str, plan: VersionPlan) -> dict:
 def data_lineage(data: str) -> dict[str, str]:
     """Lineage tags of a training stage reading a data-stage folder: its path, version, digest and write run."""
     from crawl2chat.infra.lineage import input_tags
-    from crawl2chat.stages.dataset_versions import read_manifest
+    from crawl2chat.stages.data.versions import read_manifest
 
     manifest = read_manifest(data) if Path(data).is_dir() else None
     if not manifest:
@@ -280,7 +280,7 @@ def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, co
 
 @_step_task("review")
 def review_task(out_dir: str, cfg: Any) -> str:
-    from crawl2chat.stages.review import write_review
+    from crawl2chat.stages.data.review import write_review
 
     with stage_run("review", {"review": cfg.model_dump()}):
         path = write_review(out_dir, cfg)

@@ -19,10 +19,12 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from crawl2chat.infra.datasets import dataset_entity, file_dataset
+from crawl2chat.infra.mlflow_datasets import dataset_entity, file_dataset
 from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
 from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.tracking import stage_run
+from crawl2chat.stages.training.registry import STAGES
+from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, read_failure, script_argv
 
 
 class MetricsFollower:
@@ -90,57 +92,44 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     return run_streaming(cmd, env={**quiet, **(env or {})}, log_path=Path(out) / "train.log", on_line=on_line)
 
 
-def run_pretraining(data: str, out: str, preset: str | None = None, max_steps: int | None = None,
-                    num_processes: int = 1, config: str | None = None, overrides: list[str] | None = None,
+class StageFailed(RuntimeError):
+    """A training script that failed, with the kind of failure it reported
+    (``OUT/failure.json``); a process killed before it could report is transient."""
+
+    def __init__(self, stage: str, kind: str, message: str, log_path: Path | None):
+        self.stage, self.kind, self.message, self.log_path = stage, kind, message, log_path
+        super().__init__(f"{stage}: {message} (full log: {log_path})")
+
+    @property
+    def permanent(self) -> bool:
+        return self.kind != TRANSIENT
+
+
+def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_steps: int | None = None,
+                    config: str | None = None, overrides: list[str] | None = None, num_processes: int = 1,
                     accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
                     env: dict[str, str] | None = None) -> int:
-    """Tokenizer and packed tokens on the host (Ray lives here, not inside the
-    distributed job), then the training script under ``accelerate launch``."""
-    from crawl2chat.infra.ray_runtime import ensure_ray
-    from crawl2chat.stages.pretrain import MODULE, parse_args, prepare_data, resolve_config, script_args
+    """Run the training stage ``stage`` (see the registry) under ``accelerate launch``;
+    a stage that prepares on the host (pretraining's tokenizer and packing, on Ray)
+    does that first. Raises :class:`StageFailed` with the kind the script reported."""
+    import importlib
 
-    argv = script_args(data, out, preset, max_steps, config, overrides)
-    cfg = resolve_config(parse_args(argv))
+    spec = STAGES[stage]
+    argv = script_argv(inputs, out, config, max_steps, overrides)
     Path(out).mkdir(parents=True, exist_ok=True)
-    if Path(data).is_dir():
-        ensure_ray()
-    prepare_data(cfg, data, out)
-    return launch_stage(MODULE, argv, out, num_processes, accelerate_config, on_line, env)
+    (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
+    if spec.prepare_on_host:
+        if any(Path(v).is_dir() for v in inputs.values()):
+            from crawl2chat.infra.ray_runtime import ensure_ray
 
-
-def run_sft(base: str, data: str, out: str, max_steps: int | None = None, config: str | None = None,
-            overrides: list[str] | None = None, **launch_kw) -> int:
-    from crawl2chat.stages.sft import MODULE, argv_for
-
-    argv = argv_for({"base": base, "data": data}, out, config, max_steps, overrides)
-    return launch_stage(MODULE, argv, out, **launch_kw)
-
-
-def run_reward(base: str, data: str, out: str, max_steps: int | None = None, config: str | None = None,
-               overrides: list[str] | None = None, **launch_kw) -> int:
-    from crawl2chat.stages.reward import MODULE
-    from crawl2chat.stages.sft import argv_for
-
-    argv = argv_for({"base": base, "data": data}, out, config, max_steps, overrides)
-    return launch_stage(MODULE, argv, out, **launch_kw)
-
-
-def run_dpo(policy: str, data: str, out: str, max_steps: int | None = None, config: str | None = None,
-            overrides: list[str] | None = None, **launch_kw) -> int:
-    from crawl2chat.stages.dpo import MODULE
-    from crawl2chat.stages.sft import argv_for
-
-    argv = argv_for({"policy": policy, "data": data}, out, config, max_steps, overrides)
-    return launch_stage(MODULE, argv, out, **launch_kw)
-
-
-def run_ppo(policy: str, reward: str, prompts: str, out: str, max_steps: int | None = None,
-            config: str | None = None, overrides: list[str] | None = None, **launch_kw) -> int:
-    from crawl2chat.stages.ppo import MODULE
-    from crawl2chat.stages.sft import argv_for
-
-    argv = argv_for({"policy": policy, "reward": reward, "prompts": prompts}, out, config, max_steps, overrides)
-    return launch_stage(MODULE, argv, out, **launch_kw)
+            ensure_ray()
+        importlib.import_module(spec.module).prepare_on_host(argv)
+    try:
+        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env)
+    except LaunchError as e:
+        failure = read_failure(out) or {"kind": TRANSIENT, "message": f"the training process exited with status "
+                                                                      f"{e.returncode} without reporting why"}
+        raise StageFailed(stage, failure["kind"], failure["message"], e.log_path) from e
 
 
 def _progress_printer(stage: str, follower: MetricsFollower | None, every: int = 20) -> Callable[[str], None]:
@@ -179,11 +168,11 @@ def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | 
     return f"models:/{registered_name}/{version.version}"
 
 
-def held_out_texts(data: str, val_fraction: float = 0.1, limit: int = 200) -> list[str]:
+def held_out_documents(data: str, val_fraction: float = 0.1, limit: int = 200) -> list[str]:
     """Documents of a shards folder outside the training split (the packing's id-hash
     rule); a corpus too small to have any falls back to its last documents."""
-    from crawl2chat.stages.dataset_versions import iter_documents
-    from crawl2chat.stages.packing import is_validation
+    from crawl2chat.stages.data.versions import iter_documents
+    from crawl2chat.stages.training.packing import is_validation
 
     if not Path(data).is_dir():
         text = Path(data).read_text(encoding="utf-8")
@@ -209,9 +198,9 @@ def log_evaluation(result: dict) -> dict[str, float]:
 
 def evaluate_causal_lm(model_dir: str, eval_data: str | None, chat: bool, val_fraction: float = 0.1) -> dict:
     """Bits per byte, perplexity and multiple choice on held-out text, plus sample generations."""
-    from crawl2chat.stages.evaluate import evaluate_model
+    from crawl2chat.stages.inference.evaluate import evaluate_model
 
-    texts = held_out_texts(eval_data, val_fraction) if eval_data else None
+    texts = held_out_documents(eval_data, val_fraction) if eval_data else None
     return evaluate_model(model_dir, texts, mc_tasks=50 if texts else 0, max_tokens=50_000, chat=chat)
 
 
@@ -219,9 +208,9 @@ def input_identity(path: str) -> str:
     """What a stage input is, independent of where it lies: a dataset version by its
     content digest, a model folder by the key of the run that made it (else by its
     files), a data file by its sha256."""
-    from crawl2chat.infra.datasets import file_digest
+    from crawl2chat.infra.mlflow_datasets import file_digest
 
-    from crawl2chat.stages.dataset_versions import read_manifest
+    from crawl2chat.stages.data.versions import read_manifest
 
     p = Path(path).resolve()
     if p.is_dir():
@@ -275,7 +264,7 @@ def link_latest(out: str | Path, run_dir: Path) -> None:
         os.replace(tmp, link)
 
 
-def finished_run(run_dir: Path) -> dict | None:
+def recorded_run(run_dir: Path) -> dict | None:
     """The summary of a run folder already trained and recorded in this tracking store."""
     try:
         done = json.loads((run_dir / DONE_FILE).read_text())
@@ -293,7 +282,7 @@ def finished_run(run_dir: Path) -> dict | None:
 def log_data_inputs(inputs: dict[str, str], identities: dict[str, str]) -> None:
     """Data files and dataset versions among a stage's inputs as MLflow dataset inputs
     (model folders are linked by run tags instead)."""
-    from crawl2chat.stages.dataset_versions import read_manifest
+    from crawl2chat.stages.data.versions import read_manifest
 
     for role, path in inputs.items():
         if not path:
@@ -320,7 +309,7 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
 
     identities = {role: input_identity(path) for role, path in sorted(inputs.items()) if path}
     run_dir = run_folder(out, stage, inputs, identities, settings)
-    done = finished_run(run_dir)
+    done = recorded_run(run_dir)
     if done:
         link_latest(out, run_dir)
         print(f"[{stage}] already trained on these inputs with these settings: {done['model_dir']} "
@@ -345,7 +334,7 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
         mlflow.set_tag("crawl2chat.model_dir", str(model_dir))
         summary["model_uri"] = log_model_folder(model_dir, registered_name, "current")
         summary["run_id"] = run.info.run_id
-        from crawl2chat.stages.trainer import read_metrics
+        from crawl2chat.stages.training.trainer import read_metrics
 
         rows = read_metrics(run_dir / "metrics.jsonl")
         plot_curves(rows, ("loss", "val_loss"), f"{stage}: loss", f"{stage}_loss.png")
@@ -357,7 +346,7 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
             except Exception as e:  # noqa: BLE001 - a failed evaluation is recorded, the model stays
                 mlflow.set_tag("crawl2chat.eval_error", f"{type(e).__name__}: {e}"[:5000])
                 print(f"[{stage}] evaluation failed: {type(e).__name__}: {e}", flush=True)
-        log_record(STAGE_GOALS.get(stage, stage), settings, {**inputs, **(params or {})},
+        log_record(STAGES[stage].goal, settings, {**inputs, **(params or {})},
                    {k: v for k, v in {**summary, **summary.get("eval", {})}.items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
     summary["tracking_uri"] = mlflow.get_tracking_uri()
@@ -369,143 +358,80 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
     return summary
 
 
-STAGE_GOALS = {
-    "pretrain": "Train a BPE tokenizer and a decoder-only base model from scratch on the shards.",
-    "sft": "Fine-tune the base model on chat data, loss on assistant tokens only.",
-    "reward": "Train a scalar reward model on preference pairs (pairwise logistic loss).",
-    "ppo": "Optimise the SFT policy against the reward model with PPO and a KL penalty to the reference.",
-    "dpo": "Optimise the SFT policy directly on preference pairs (DPO) against a frozen reference.",
-}
-
-
-# Failures a second attempt cannot fix: bad settings or data, divergence after every rollback.
-PERMANENT_ERRORS = ("TrainingDiverged", "NoUsableRows", "ConfigError", "ValueError", "FileNotFoundError",
-                    "KeyError", "TypeError")
-
-
 def retry_transient(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
     """Retry a training launch that died of something passing (a killed process, a lost
-    peer, an out-of-memory kill); the retry resumes from the newest checkpoint."""
+    peer, an out-of-memory kill); the retry resumes from the newest checkpoint. The
+    script's own report decides: bad input and divergence are not retried."""
     try:
         state.result()
-    except LaunchError as e:
-        return not any(name in e.tail for name in PERMANENT_ERRORS)
+    except StageFailed as e:
+        return not e.permanent
     except Exception:  # noqa: BLE001 - anything raised on this side is not the launch's
         return False
     return False
 
 
-def _training_task(name: str):
-    return task(name=name, retries=1, retry_delay_seconds=10, retry_condition_fn=retry_transient,
-                cache_policy=NO_CACHE)
-
-
-def _launch_kw(num_processes: int, accelerate_config: str | None) -> dict[str, Any]:
-    return {"num_processes": num_processes, "accelerate_config": accelerate_config}
-
-
-@_training_task("pretrain")
-def pretrain_task(data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
-                  accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-                  registered_name: str | None = "crawl2chat-base") -> dict:
-    """Tokenizer + base model from the data stage's shards (or a text file)."""
-
-    def launch(config_file: str, on_line: Callable, run_dir: str) -> None:
-        run_pretraining(data, run_dir, config=config_file, on_line=on_line,
-                        **_launch_kw(num_processes, accelerate_config))
-
-    def tokenizer_artifacts(summary: dict) -> None:
-        mlflow.log_artifacts(summary["tokenizer"], artifact_path="tokenizer")
-        mlflow.set_tag("crawl2chat.tokenizer", summary["tokenizer"])
-
-    summary = record_training("pretrain", out, settings, launch, {"data": data}, lineage, registered_name,
-                              tokenizer_artifacts,
-                              evaluate=lambda s: evaluate_causal_lm(s["model_dir"], data, chat=False,
-                                                                    val_fraction=settings.get("val_fraction", 0.1)),
-                              params={"num_processes": num_processes})
-    print(f"[pretrain] val_loss {summary['val_loss']:.3f}  val_bpb {summary['val_bpb']:.3f}  "
-          f"{summary.get('tokens_per_second', 0):.0f} tokens/s -> {summary['model_dir']}", flush=True)
-    return summary
-
-
-@_training_task("sft")
-def sft_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
-             accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-             registered_name: str | None = None, eval_data: str | None = None) -> dict:
-    """Supervised fine-tuning of a base model on chat data (loss on assistant tokens only)."""
-    summary = record_training(
-        "sft", out, settings,
-        lambda cfg, on_line, run_dir: run_sft(base, data, run_dir, config=cfg, on_line=on_line,
-                                              **_launch_kw(num_processes, accelerate_config)),
-        {"base": base, "data": data}, lineage, registered_name,
-        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
-    print(f"[sft] {summary.get('steps')} steps, val_loss {summary.get('val_loss', float('nan')):.3f} -> {summary['model_dir']}",
-          flush=True)
-    return summary
-
-
-@_training_task("reward")
-def reward_task(base: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
-                accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-                registered_name: str | None = None) -> dict:
-    """A reward model (scalar head) trained on preference pairs."""
-    summary = record_training(
-        "reward", out, settings,
-        lambda cfg, on_line, run_dir: run_reward(base, data, run_dir, config=cfg, on_line=on_line,
-                                                 **_launch_kw(num_processes, accelerate_config)),
-        {"base": base, "data": data}, lineage, registered_name)
-    print(f"[reward] eval_accuracy {summary.get('eval_accuracy', float('nan')):.3f} -> {summary['model_dir']}", flush=True)
-    return summary
+def _evaluation(stage: str, inputs: dict[str, str], settings: dict[str, Any],
+                eval_data: str | None) -> Callable[[dict], dict] | None:
+    """The end-of-stage evaluation the registry names for ``stage``."""
+    kind = STAGES[stage].evaluation
+    if kind == "lm":
+        return lambda s: evaluate_causal_lm(s["model_dir"], inputs["data"], chat=False,
+                                            val_fraction=settings.get("val_fraction", 0.1))
+    if kind == "chat":
+        return lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True)
+    if kind == "policy":
+        return lambda s: _evaluate_policy(s["model_dir"], inputs["policy"], inputs["reward"], inputs["prompts"],
+                                          eval_data)
+    return None
 
 
 def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_file: str,
                      eval_data: str | None, n_prompts: int = 16) -> dict:
     """A policy's LM figures plus its win rate against its SFT parent under the reward model."""
-    from crawl2chat.stages.evaluate import read_prompts, win_rate
+    from crawl2chat.stages.inference.evaluate import prompt_texts, win_rate
 
     result = evaluate_causal_lm(policy_dir, eval_data, chat=True)
-    prompts = read_prompts(prompts_file)[-n_prompts:]  # the last prompts: not among the earliest rollouts
+    prompts = prompt_texts(prompts_file)[-n_prompts:]  # the last prompts: not among the earliest rollouts
     result["policy"] = win_rate(policy_dir, parent_dir, reward_dir, prompts, max_new_tokens=16)
     return result
 
 
-@_training_task("ppo")
-def ppo_task(policy: str, reward: str, prompts: str, out: str, settings: dict[str, Any], num_processes: int = 1,
-             accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-             registered_name: str | None = None, eval_data: str | None = None) -> dict:
-    """PPO of the SFT policy against the reward model, with a KL penalty to the SFT reference."""
-    summary = record_training(
-        "ppo", out, settings,
-        lambda cfg, on_line, run_dir: run_ppo(policy, reward, prompts, run_dir, config=cfg, on_line=on_line,
-                                              **_launch_kw(num_processes, accelerate_config)),
-        {"policy": policy, "reward": reward, "prompts": prompts}, lineage, registered_name,
-        evaluate=lambda s: _evaluate_policy(s["model_dir"], policy, reward, prompts, eval_data))
-    print(f"[ppo] reward {summary.get('reward_mean_first', float('nan')):.3f} -> "
-          f"{summary.get('reward_mean_last', float('nan')):.3f}, KL {summary.get('kl_last', float('nan')):.3f} "
-          f"-> {summary['model_dir']}", flush=True)
+def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str, Any], num_processes: int = 1,
+                accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
+                registered_name: str | None = None, eval_data: str | None = None) -> dict:
+    """One training stage of the registry, recorded: launch, metrics, model, registration, evaluation."""
+    spec = STAGES[stage]
+
+    def launch(config_file: str, on_line: Callable, run_dir: str) -> None:
+        launch_training(stage, inputs, run_dir, config=config_file, on_line=on_line, num_processes=num_processes,
+                        accelerate_config=accelerate_config)
+
+    def artifact_dirs(summary: dict) -> None:
+        for key in spec.artifact_dirs:
+            mlflow.log_artifacts(summary[key], artifact_path=key)
+            mlflow.set_tag(f"crawl2chat.{key}", summary[key])
+
+    summary = record_training(stage, out, settings, launch, inputs, lineage, registered_name, artifact_dirs,
+                              evaluate=_evaluation(stage, inputs, settings, eval_data),
+                              params={"num_processes": num_processes})
+    print(f"[{stage}] {spec.report(summary)} -> {summary['model_dir']}", flush=True)
     return summary
 
 
-@_training_task("dpo")
-def dpo_task(policy: str, data: str, out: str, settings: dict[str, Any], num_processes: int = 1,
-             accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-             registered_name: str | None = None, eval_data: str | None = None) -> dict:
-    """Direct Preference Optimisation of the SFT policy against its frozen copy."""
-    summary = record_training(
-        "dpo", out, settings,
-        lambda cfg, on_line, run_dir: run_dpo(policy, data, run_dir, config=cfg, on_line=on_line,
-                                              **_launch_kw(num_processes, accelerate_config)),
-        {"policy": policy, "data": data}, lineage, registered_name,
-        evaluate=lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True))
-    print(f"[dpo] eval_reward_accuracy {summary.get('eval_reward_accuracy', float('nan')):.3f} -> "
-          f"{summary['model_dir']}", flush=True)
-    return summary
+# One Prefect task for every training stage; ``training_task(name)`` names its runs after the stage.
+_train_task = task(train_stage, name="train-stage", retries=1, retry_delay_seconds=10,
+                   retry_condition_fn=retry_transient, cache_policy=NO_CACHE)
+
+
+def training_task(stage: str):
+    return _train_task.with_options(name=stage)
 
 
 @task(name="demo-sets", retries=0, cache_policy=NO_CACHE)
 def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int) -> dict[str, str]:
     """Small SFT, preference and prompt sets derived from the crawled corpus itself."""
-    from crawl2chat.stages.chat_data import derive_demo_sets
+    from crawl2chat.stages.training.chat_data import derive_demo_sets
 
     with stage_run("demo-sets", {"examples": examples, "seed": seed, "shards": shards_dir}):
         paths = derive_demo_sets(shards_dir, out, n=examples, seed=seed)

@@ -1,4 +1,4 @@
-from crawl2chat.stages.balance import group_keep_rates, keep_document
+from crawl2chat.stages.data.balance import group_keep_rates, keep_document
 
 
 def test_dominant_language_is_thinned_and_rare_one_kept():
@@ -29,7 +29,7 @@ def test_keep_decision_is_stable_and_matches_rate():
 
 
 def test_weights_are_target_share_over_current_share():
-    from crawl2chat.stages.balance import group_weights
+    from crawl2chat.stages.data.balance import group_weights
 
     docs = {"en": 800, "de": 200}
     weights = group_weights(docs, {"en": 800.0, "de": 200.0}, alpha=0.7, beta=0.3)

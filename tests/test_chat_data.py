@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from crawl2chat.stages.chat_data import (NoUsableRows, derive_demo_sets, load_preferences, load_prompts, load_sft,
+from crawl2chat.stages.training.chat_data import (NoUsableRows, derive_demo_sets, load_preferences, load_prompts, load_sft,
                                          parse_hh)
 
 HH = Path(__file__).resolve().parents[2] / "shared" / "data" / "preference" / "hh-rlhf" / "harmless-base_test.jsonl.gz"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from crawl2chat.infra.config import ConfigError, load_config, parse_override
+from crawl2chat.stages.settings import SettingsError, load_config, parse_override
 
 
 def test_one_nested_override_keeps_the_sections_other_defaults():
@@ -30,15 +30,15 @@ def test_yaml_then_flags(tmp_path):
     ({"sft.trian": {}}, "sft.trian"),
 ])
 def test_bad_fields_are_named(override, named):
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(SettingsError) as err:
         load_config(overrides=override)
     assert named in str(err.value)
 
 
 def test_unreadable_or_invalid_yaml_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(SettingsError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(SettingsError, match="not valid YAML"):
         load_config(bad)

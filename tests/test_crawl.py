@@ -15,15 +15,9 @@ import pytest
 from aiohttp import web
 from warcio.archiveiterator import ArchiveIterator
 
-from crawl2chat.stages.crawl import (
-    CrawlConfig,
-    CrawlResult,
-    RotatingWarcWriter,
-    crawl,
-    extract_links,
-    normalize_url,
-)
-from crawl2chat.stages.local_site import PydocSite
+from crawl2chat.stages.data.crawl import CrawlResult, RotatingWarcWriter, crawl, extract_links, normalize_url
+from crawl2chat.stages.data.settings import CrawlConfig
+from crawl2chat.stages.data.local_site import PydocSite
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from crawl2chat.infra.config import load_config
+from crawl2chat.stages.settings import load_config
 
 CLI = [sys.executable, "-m", "crawl2chat.cli"]
 
@@ -70,7 +70,7 @@ def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path):
 @pytest.mark.slow
 def test_flow_with_nothing_usable_fails_plainly(shared_data, prefect_api, ray_local, tmp_path):
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.stages.data_pipeline import NothingUsableError
+    from crawl2chat.stages.data.pipeline import NothingUsableError
 
     cfg = load_config(overrides={
         "home": str(tmp_path / "home"),

@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from crawl2chat.infra.config import load_config
-from crawl2chat.stages import data_pipeline as steps
-from crawl2chat.stages.dataset_versions import shard_files
-from crawl2chat.stages.review import write_review
-from crawl2chat.stages.warc_input import list_input_files
+from crawl2chat.stages.settings import load_config
+from crawl2chat.stages.data import pipeline as steps
+from crawl2chat.stages.data.versions import shard_files
+from crawl2chat.stages.data.review import write_review
+from crawl2chat.stages.data.warc_input import list_input_files
 
 SHARD_COLUMNS = {"id", "url", "text", "lang", "lang_score", "quality_score", "source"}
 

@@ -15,7 +15,8 @@ import pytest
 import ray
 from ray.data.context import ShuffleStrategy
 
-from crawl2chat.stages.dedup import DedupConfig, connected_components, dedup, word_shingles
+from crawl2chat.stages.data.dedup import connected_components, dedup, word_shingles
+from crawl2chat.stages.data.settings import DedupConfig
 
 VOCAB = ["".join(letters) for letters in itertools.product("abcdefghijklmnopqrstuvwxyz", repeat=3)]
 HANZI = [chr(c) for c in range(0x4E00, 0x4E00 + 800)]

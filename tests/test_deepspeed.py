@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from crawl2chat.infra.launch import accelerate_command, accelerate_config_path, distributed_type
-from crawl2chat.stages.pretrain import PretrainConfig, TokenWindows, causal_lm_loss, prepare_data
-from crawl2chat.stages.trainer import read_metrics
-from crawl2chat.tasks.train import run_pretraining as launch
+from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, prepare_data
+from crawl2chat.stages.training.settings import PretrainConfig
+from crawl2chat.stages.training.trainer import read_metrics
+from crawl2chat.tasks.train import launch_training
 from test_pretrain import BASE, corpus_text, steps
 
 # Constant learning rate after warmup: a run stopped early and resumed with a
@@ -54,7 +55,7 @@ def shared(tmp_path_factory):
 
 def train(shared, name: str, *extra: str, num_processes: int = 1, deepspeed: bool = True, max_steps: int = STEPS):
     out = shared["root"] / name
-    launch(str(shared["corpus"]), str(out), max_steps=max_steps, num_processes=num_processes,
+    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=max_steps, num_processes=num_processes,
            accelerate_config="deepspeed" if deepspeed else None,
            overrides=[*COMMON, f"tokenizer={shared['tok']}", *extra])
     return out

@@ -91,9 +91,9 @@ def test_declared_dependencies_are_installed():
     assert not absent, f"declared but not installed: {absent}"
 
 
-@pytest.mark.parametrize("extractor", typing.get_args(importlib.import_module("crawl2chat.stages.extract").Extractor))
+@pytest.mark.parametrize("extractor", typing.get_args(importlib.import_module("crawl2chat.stages.data.extract").Extractor))
 def test_every_selectable_extractor_imports_and_extracts(extractor):
-    from crawl2chat.stages.extract import html_to_text
+    from crawl2chat.stages.data.extract import html_to_text
 
     page = ("<html><body><nav><a href='/'>Home</a></nav><main><article><p>"
             + "The harbour master kept a ledger of every ship that entered the bay. " * 5

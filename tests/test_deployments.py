@@ -30,3 +30,29 @@ def test_every_deployment_entrypoint_is_a_flow():
     refresh = next(d for d in spec["deployments"] if d["name"] == "data-refresh")
     assert refresh["schedules"][0]["cron"]
     assert refresh["parameters"]["refresh"] is True
+
+
+def test_prefect_yaml_is_made_from_the_training_registry():
+    from crawl2chat.flows.deployments import prefect_yaml
+
+    assert (ROOT / "prefect.yaml").read_text() == prefect_yaml(), \
+        "prefect.yaml is stale: python -m crawl2chat.flows.deployments > prefect.yaml"
+
+
+def test_every_registered_stage_has_settings_a_flow_and_a_command():
+    from typer.main import get_command
+
+    from crawl2chat.cli import app
+    from crawl2chat.flows.pipeline import STAGE_FLOWS
+    from crawl2chat.stages.settings import Config
+    from crawl2chat.stages.training.registry import STAGES
+
+    commands = get_command(app).commands
+    for name, stage in STAGES.items():
+        section = getattr(Config(), name)
+        assert section.registered_name == stage.registered_name
+        flow_params = set(STAGE_FLOWS[name].parameters.model_dump()["properties"])
+        assert flow_params == {"config", *stage.input_names}
+        options = {o for p in commands[name].params for o in p.opts}
+        assert {f"--{i}" for i in stage.input_names} <= options
+        assert importlib.util.find_spec(stage.module) is not None

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from crawl2chat.stages.dpo import dpo_loss_terms
-from crawl2chat.tasks.train import run_dpo as launch
-from crawl2chat.stages.trainer import read_metrics
+from crawl2chat.stages.training.dpo import dpo_loss_terms
+from crawl2chat.tasks.train import launch_training
+from crawl2chat.stages.training.trainer import read_metrics
 from test_reward import rule_pairs
 from test_sft import tiny_base, write_jsonl
 
@@ -36,7 +36,7 @@ def base(tmp_path_factory):
 def test_dpo_under_accelerate_raises_implicit_reward_accuracy(base, tmp_path):
     data = write_jsonl(tmp_path / "prefs.jsonl", rule_pairs())
     out = tmp_path / "dpo"
-    launch(str(base), str(data), str(out), max_steps=30,
+    launch_training("dpo", {"policy": str(base), "data": str(data)}, str(out), max_steps=30,
            overrides=["seq_len=64", "micro_batch_size=8", "lr=2e-3", "min_lr=2e-4", "warmup_steps=3", "beta=0.5",
                       "eval_every=10", "checkpoint_every=0", "val_fraction=0.2", "eval_batches=8"])
     m = json.loads((out / "metrics.json").read_text())

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crawl2chat.stages import evaluate as ev
-from crawl2chat.stages.generation import init_model_dir, load_model
+from crawl2chat.stages.inference import evaluate as ev
+from crawl2chat.stages.inference.generation import init_model_dir, load_model
 
 CYCLE = "amber birch cedar dune ember fjord grove heath".split()
 

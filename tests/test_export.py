@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from crawl2chat.stages.export import REPORT, export_model
-from crawl2chat.stages.generation import SERVING_FILE, Engine, init_model_dir, load_model
+from crawl2chat.stages.inference.export import REPORT, export_model
+from crawl2chat.stages.inference.generation import SERVING_FILE, Engine, init_model_dir, load_model
 
 
 def corpus_text(n_lines: int = 800, seed: int = 0) -> str:
@@ -83,7 +83,7 @@ def test_export_command(model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_compile_is_kept_only_when_measured_faster(model_dir):
-    from crawl2chat.stages.export import measure_compile
+    from crawl2chat.stages.inference.export import measure_compile
 
     res = measure_compile(model_dir, new_tokens=8)
     assert res["eager"]["decode_tokens_per_s"] > 0

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from crawl2chat.stages.extract import (
-    ExtractConfig,
-    decode_body,
-    html_to_text,
-    looks_binary,
-    parse_content_type,
-    sniff_html,
-)
+from crawl2chat.stages.data.extract import decode_body, html_to_text, looks_binary, parse_content_type, sniff_html
+from crawl2chat.stages.data.settings import ExtractConfig
 
 ARTICLE = (
     "The river town grew around a stone bridge built in the twelfth century, and its market "

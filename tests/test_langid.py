@@ -8,8 +8,9 @@ import numpy
 import pydantic
 import pytest
 
-from crawl2chat.stages.langid import LangIdConfig, LanguageId, bundled_model_path, load_model, predict_languages
-from crawl2chat.stages.warc_input import WarcReader
+from crawl2chat.stages.data.langid import LanguageId, bundled_model_path, load_model, predict_languages
+from crawl2chat.stages.data.settings import LangIdConfig
+from crawl2chat.stages.data.warc_input import WarcReader
 
 WARC_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "warc"
 

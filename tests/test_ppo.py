@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from crawl2chat.tasks.train import run_ppo as launch
-from crawl2chat.stages.ppo import (KLController, PPOConfig, PPORunner, compute_gae, masked_whiten,
-                                   ppo_losses, token_rewards)
-from crawl2chat.stages.trainer import read_metrics
+from crawl2chat.tasks.train import launch_training
+from crawl2chat.stages.training.ppo import KLController, PPORunner, compute_gae, masked_whiten, ppo_losses, token_rewards
+from crawl2chat.stages.training.settings import PPOConfig
+from crawl2chat.stages.training.trainer import read_metrics
 from test_reward import rule_pairs
 from test_sft import BAD, GOOD, TOPICS, tiny_base, write_jsonl
 
@@ -99,7 +99,7 @@ def models(tmp_path_factory):
     weather, then ends its turn: a middling reward that is easy to raise."""
     import random
 
-    from crawl2chat.stages import reward, sft
+    from crawl2chat.stages.training import reward, sft
 
     root = tmp_path_factory.mktemp("ppo")
     base = tiny_base(root)
@@ -123,8 +123,8 @@ def models(tmp_path_factory):
 
 
 def test_rollout_bookkeeping(models, tmp_path):
-    from crawl2chat.stages.chat_data import encode_prompt, load_prompts
-    from crawl2chat.stages.trainer import make_accelerator
+    from crawl2chat.stages.training.chat_data import encode_prompt, load_prompts
+    from crawl2chat.stages.training.trainer import make_accelerator
     from transformers import AutoTokenizer
 
     cfg = PPOConfig(rollout_batch_size=6, micro_batch_size=3, max_new_tokens=6, max_steps=1, seed=3)
@@ -149,7 +149,7 @@ def test_rollout_bookkeeping(models, tmp_path):
     assert (ro["adv"][~mask.bool()] == 0).all()
     # Before any update the recomputed log-probabilities equal the rollout's: ratio 1, nothing clipped.
     with torch.no_grad():
-        from crawl2chat.stages.ppo import answer_logprobs
+        from crawl2chat.stages.training.ppo import answer_logprobs
 
         logits, values = runner.model(ro["seq"], ro["attn"], ro["pos"])
         lp, ent = answer_logprobs(logits, ro["seq"], P, cfg.temperature)
@@ -169,7 +169,7 @@ def test_rollout_bookkeeping(models, tmp_path):
 @pytest.mark.slow
 def test_ppo_under_accelerate_raises_reward(models, tmp_path):
     out = tmp_path / "ppo"
-    launch(str(models["sft"]), str(models["rm"]), str(models["prompts"]), str(out), max_steps=16,
+    launch_training("ppo", {"policy": str(models["sft"]), "reward": str(models["rm"]), "prompts": str(models["prompts"])}, str(out), max_steps=16,
            overrides=["rollout_batch_size=16", "micro_batch_size=8", "ppo_epochs=4", "max_new_tokens=8",
                       "lr=1e-3", "kl_coef=0.05", "adaptive_kl=true", "kl_target=2.0"])
     m = json.loads((out / "metrics.json").read_text())
@@ -192,7 +192,7 @@ def test_ppo_under_accelerate_raises_reward(models, tmp_path):
 def test_interrupted_run_resumes_from_its_checkpoint_exactly(models, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from crawl2chat.stages import ppo
+    from crawl2chat.stages.training import ppo
 
     def run(out, **kw):
         cfg = PPOConfig(rollout_batch_size=4, micro_batch_size=2, max_new_tokens=4, max_steps=4, ppo_epochs=1,

@@ -18,10 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
-from crawl2chat.stages.pretrain import MODULE, PretrainConfig, TokenWindows, causal_lm_loss, prepare_data
-from crawl2chat.tasks.train import run_pretraining as launch
-from crawl2chat.stages.trainer import (TrainConfig, Trainer, build_optimizer, build_scheduler, load_config,
-                                       make_accelerator, parse_overrides, read_metrics)
+from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, prepare_data
+from crawl2chat.stages.training.settings import PretrainConfig
+from crawl2chat.stages.settings import load_settings, parse_overrides
+from crawl2chat.stages.training.registry import STAGES
+from crawl2chat.tasks.train import launch_training
+from crawl2chat.stages.training.trainer import Trainer, build_optimizer, build_scheduler, make_accelerator, read_metrics
+from crawl2chat.stages.training.settings import TrainConfig
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -55,7 +58,7 @@ def run_args(shared, name: str, *extra: str) -> tuple[Path, list[str]]:
 
 def train(shared, name: str, *extra: str, num_processes: int = 1, max_steps: int = 60) -> Path:
     out, overrides = run_args(shared, name, *extra)
-    launch(str(shared["corpus"]), str(out), max_steps=max_steps, num_processes=num_processes, overrides=overrides)
+    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=max_steps, num_processes=num_processes, overrides=overrides)
     return out
 
 
@@ -114,8 +117,8 @@ def test_sigkill_then_resume_matches_uninterrupted(shared, reference):
     argv = ["--data", str(shared["corpus"]), "--out", str(out), "--max-steps", "120"]
     for o in overrides:
         argv += ["--set", o]
-    prepare_data(load_config(PretrainConfig, None, parse_overrides(overrides)), shared["corpus"], out)
-    cmd = accelerate_command(MODULE, argv, num_processes=1, cpu=True)
+    prepare_data(load_settings(PretrainConfig, None, parse_overrides(overrides)), shared["corpus"], out)
+    cmd = accelerate_command(STAGES["pretrain"].module, argv, num_processes=1, cpu=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
@@ -130,7 +133,7 @@ def test_sigkill_then_resume_matches_uninterrupted(shared, reference):
     assert not (out / "model").exists()
 
     # Same command again: resumes from the newest checkpoint and finishes.
-    launch(str(shared["corpus"]), str(out), max_steps=120, overrides=overrides)
+    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=120, overrides=overrides)
     resumes = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"]
     last_ckpt = (killed_at // 20) * 20  # or the one before, when the kill hit a save in progress
     assert len(resumes) == 1 and resumes[0]["step"] in (last_ckpt, last_ckpt - 20)
@@ -194,9 +197,9 @@ def test_repeated_nans_fail_with_clear_message(shared):
 
 def test_loss_spike_rolls_back_in_process(shared, tmp_path):
     """The Trainer on its own: a loss 100x the recent mean at batch 12 is a spike."""
-    from crawl2chat.stages.models import build_model, model_config
+    from crawl2chat.stages.training.models import build_model, model_config
 
-    cfg = load_config(PretrainConfig, None, {**parse_overrides(BASE), "max_steps": 20, "checkpoint_every": 8,
+    cfg = load_settings(PretrainConfig, None, {**parse_overrides(BASE), "max_steps": 20, "checkpoint_every": 8,
                                              "eval_every": 0, "rollback": {"spike_window": 5, "spike_factor": 3.0}})
     prepare_data(cfg.model_copy(update={"tokenizer": str(shared["tok"])}), shared["corpus"], tmp_path)
     acc = make_accelerator(cfg)
@@ -265,10 +268,10 @@ def test_lion_and_weight_decay_groups():
 def test_config_from_yaml_with_overrides(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text("preset: cpu\nlr: 0.0006\nrollback:\n  max_rollbacks: 5\n")
-    cfg = load_config(PretrainConfig, p, parse_overrides(["lr=1e-3", "rollback.lr_factor=0.25"]))
+    cfg = load_settings(PretrainConfig, p, parse_overrides(["lr=1e-3", "rollback.lr_factor=0.25"]))
     assert (cfg.preset, cfg.lr, cfg.rollback.max_rollbacks, cfg.rollback.lr_factor) == ("cpu", 1e-3, 5, 0.25)
     with pytest.raises(ValueError):
-        load_config(PretrainConfig, None, {"learning_rate": 1e-3})  # unknown field
+        load_settings(PretrainConfig, None, {"learning_rate": 1e-3})  # unknown field
 
 
 def test_accelerate_command_and_streaming_failure(tmp_path):
@@ -293,15 +296,15 @@ def test_accelerate_command_and_streaming_failure(tmp_path):
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason="Tiny Shakespeare not available")
 def test_tiny_shakespeare_learns(tmp_path):
     out = tmp_path / "shakespeare"
-    launch(str(SHAKESPEARE), str(out), preset="tiny", max_steps=150,
-           overrides=["vocab_size=512", "seq_len=64", "micro_batch_size=12", "lr=3e-3", "warmup_steps=10",
+    launch_training("pretrain", {"data": str(SHAKESPEARE)}, str(out), max_steps=150,
+           overrides=["preset=tiny", "vocab_size=512", "seq_len=64", "micro_batch_size=12", "lr=3e-3", "warmup_steps=10",
                       "eval_every=0", "checkpoint_every=0", "eval_batches=8", "val_fraction=0.1"])
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["val_bpb"] < 3.6  # a uniform guess over 512 tokens is ~4.9 bits per byte
 
 
 def test_grad_checkpointing_gives_the_same_gradients():
-    from crawl2chat.stages.models import build_model, flops_per_token, is_checkpointing, model_config, num_params
+    from crawl2chat.stages.training.models import build_model, flops_per_token, is_checkpointing, model_config, num_params
 
     conf = model_config("tiny", vocab_size=300, seq_len=32)
     torch.manual_seed(0)

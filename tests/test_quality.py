@@ -7,19 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from crawl2chat.stages.quality import (
-    C4Config,
-    C4Filter,
-    FineWebQualityFilter,
-    GopherQualityConfig,
-    GopherQualityFilter,
-    GopherRepetitionFilter,
-    QualityConfig,
-    build_quality_blocks,
-    duplicate_ngram_chars,
-    top_ngram_chars,
-)
-from crawl2chat.stages.text import count_sentences, is_unspaced, split_words, stop_words
+from crawl2chat.stages.data.quality import C4Filter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter, build_quality_blocks, duplicate_ngram_chars, top_ngram_chars
+from crawl2chat.stages.data.settings import C4Config, GopherQualityConfig, QualityConfig
+from crawl2chat.stages.data.text import count_sentences, is_unspaced, split_words, stop_words
 
 ENGLISH = (
     "The Rhine is one of the longest and most important rivers in Europe. It rises in the Swiss Alps "

@@ -10,15 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from crawl2chat.stages.quality import QualityConfig, build_quality_blocks
-from crawl2chat.stages.quality_classifier import (
-    PARAMS_FILE,
-    WEIGHTS_FILE,
-    QualityClassifier,
-    QualityClassifierConfig,
-    QualityClassifierFilter,
-    train_quality_classifier,
-)
+from crawl2chat.stages.data.quality import build_quality_blocks
+from crawl2chat.stages.data.settings import QualityConfig
+from crawl2chat.stages.data.quality_classifier import PARAMS_FILE, WEIGHTS_FILE, QualityClassifier, QualityClassifierFilter, train_quality_classifier
+from crawl2chat.stages.data.settings import QualityClassifierConfig
 
 # Sentence material for "good" documents, in four languages.
 GOOD_SENTENCES = [

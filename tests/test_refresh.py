@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 from test_crawl import LocalServer
 
-from crawl2chat.infra.config import load_config
-from crawl2chat.stages.dataset_versions import committed_versions, iter_documents, read_manifest, shard_files
+from crawl2chat.stages.settings import load_config
+from crawl2chat.stages.data.versions import committed_versions, iter_documents, read_manifest, shard_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crawl2chat.stages.reward import collate_pairs, load_reward_model, pairwise_loss
-from crawl2chat.tasks.train import run_reward as launch
-from crawl2chat.stages.trainer import read_metrics
+from crawl2chat.stages.training.reward import collate_pairs, load_reward_model, pairwise_loss
+from crawl2chat.tasks.train import launch_training
+from crawl2chat.stages.training.trainer import read_metrics
 from test_sft import BAD, GOOD, TOPICS, tiny_base, write_jsonl
 
 HH = Path(__file__).resolve().parents[2] / "shared" / "data" / "preference" / "hh-rlhf" / "harmless-base_test.jsonl.gz"
@@ -39,7 +39,7 @@ def base(tmp_path_factory):
 def test_score_at_last_non_padding_token_and_loss(base):
     from transformers import AutoTokenizer
 
-    from crawl2chat.stages.chat_data import encode_pair
+    from crawl2chat.stages.training.chat_data import encode_pair
 
     tok = AutoTokenizer.from_pretrained(base)
     model = load_reward_model(base, tok.pad_token_id).eval()
@@ -66,8 +66,9 @@ def test_score_at_last_non_padding_token_and_loss(base):
 def test_hh_pairs_tokenise_within_seq_len(base):
     from transformers import AutoTokenizer
 
-    from crawl2chat.stages.chat_data import load_preferences
-    from crawl2chat.stages.reward import RewardConfig, tokenise_pairs
+    from crawl2chat.stages.training.chat_data import load_preferences
+    from crawl2chat.stages.training.reward import tokenise_pairs
+    from crawl2chat.stages.training.settings import RewardConfig
 
     tok = AutoTokenizer.from_pretrained(base)
     pairs, _ = load_preferences(HH)
@@ -84,7 +85,7 @@ def test_hh_pairs_tokenise_within_seq_len(base):
 def test_reward_model_learns_rule_under_accelerate(base, tmp_path):
     data = write_jsonl(tmp_path / "prefs.jsonl", rule_pairs())
     out = tmp_path / "rm"
-    launch(str(base), str(data), str(out), max_steps=40,
+    launch_training("reward", {"base": str(base), "data": str(data)}, str(out), max_steps=40,
            overrides=["seq_len=64", "micro_batch_size=8", "lr=3e-3", "min_lr=3e-4", "warmup_steps=3",
                       "eval_every=20", "checkpoint_every=0", "val_fraction=0.2", "eval_batches=8"])
     m = json.loads((out / "metrics.json").read_text())

@@ -14,8 +14,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from crawl2chat.infra.config import load_config
-from crawl2chat.stages.trainer import read_metrics
+from crawl2chat.stages.settings import load_config
+from crawl2chat.stages.training.trainer import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -74,7 +74,7 @@ def _kill_training(out_marker: str) -> int:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "crawl2chat.stages.pretrain" in cmdline and out_marker in cmdline and int(proc.name) != os.getpid():
+        if "crawl2chat.stages.training.pretrain" in cmdline and out_marker in cmdline and int(proc.name) != os.getpid():
             try:
                 os.kill(int(proc.name), signal.SIGKILL)
                 killed += 1

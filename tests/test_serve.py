@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from crawl2chat.stages.generation import Engine, SamplingParams, TextStream, init_model_dir, stream_tokens
-from crawl2chat.stages.serve import ServerThread, create_app
+from crawl2chat.stages.inference.generation import Engine, SamplingParams, TextStream, init_model_dir, stream_tokens
+from crawl2chat.stages.inference.serve import ServerThread, create_app
 
 
 def corpus_text(n_lines: int = 1500, seed: int = 0) -> str:

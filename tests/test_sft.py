@@ -6,6 +6,7 @@ project tokenizer and chat template) the post-training tests start from."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from crawl2chat.stages.chat_data import IGNORE_INDEX, encode_sft
-from crawl2chat.stages.sft import SFTConfig, build_sft_rows, pack_examples, sft_loss
-from crawl2chat.tasks.train import run_sft as launch
-from crawl2chat.stages.trainer import read_metrics
+from crawl2chat.stages.training.chat_data import IGNORE_INDEX, encode_sft
+from crawl2chat.stages.training.sft import build_sft_rows, pack_examples, sft_loss
+from crawl2chat.stages.training.settings import SFTConfig
+from crawl2chat.tasks.train import launch_training
+from crawl2chat.stages.training.trainer import read_metrics
 
 GOOD = "sun bright warm gold light day clear sky".split()
 BAD = "rain dark cold grey night storm mud fog".split()
@@ -31,9 +33,9 @@ def corpus_lines(n: int = 3000, seed: int = 0) -> str:
 
 def tiny_base(root: Path, vocab_size: int = 400, seq_len: int = 128) -> Path:
     """A tokenizer trained on a small corpus and a random 'tiny' Llama saved as a HF model folder."""
-    from crawl2chat.stages.models import build_model, model_config
-    from crawl2chat.stages.pretrain import save_model
-    from crawl2chat.stages.tokenizer import train_tokenizer
+    from crawl2chat.stages.training.models import build_model, model_config
+    from crawl2chat.stages.training.stage import save_model
+    from crawl2chat.stages.training.tokenizer import train_tokenizer
 
     root.mkdir(parents=True, exist_ok=True)
     corpus = root / "corpus.txt"
@@ -114,7 +116,7 @@ def test_packing_keeps_examples_whole():
 def test_bad_rows_are_counted(base, tmp_path):
     from transformers import AutoTokenizer
 
-    from crawl2chat.stages.chat_data import load_sft
+    from crawl2chat.stages.training.chat_data import load_sft
 
     p = tmp_path / "mixed.jsonl"
     p.write_text("\n".join([json.dumps(r) for r in sft_rows(3)] + [
@@ -137,7 +139,7 @@ def test_sft_under_accelerate_learns_and_resumes(base, tmp_path):
     out = tmp_path / "run"
     sets = ["seq_len=128", "micro_batch_size=4", "lr=3e-3", "min_lr=3e-4", "warmup_steps=3", "eval_every=0",
             "checkpoint_every=15", "val_fraction=0.1", "eval_batches=4"]
-    launch(str(base), str(data), str(out), max_steps=30, overrides=sets)
+    launch_training("sft", {"base": str(base), "data": str(data)}, str(out), max_steps=30, overrides=sets)
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps"] == 30 and m["base"] == str(base.resolve()) and m["data"] == str(data.resolve())
     assert m["held_out"] > 0 and m["rows"] < m["examples"]  # packed: several conversations per row
@@ -154,7 +156,33 @@ def test_sft_under_accelerate_learns_and_resumes(base, tmp_path):
     gen = model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     assert "sun bright" in tok.decode(gen[0, prompt["input_ids"].shape[1]:])
     # A longer run on the same folder resumes from the newest checkpoint (step 15).
-    launch(str(base), str(data), str(out), max_steps=36, overrides=sets)
+    launch_training("sft", {"base": str(base), "data": str(data)}, str(out), max_steps=36, overrides=sets)
     events = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"]
     assert events and events[-1]["step"] == 15
     assert json.loads((out / "metrics.json").read_text())["steps"] == 36
+
+
+def test_unusable_data_fails_once_with_one_sentence_and_status_2(base, tmp_path):
+    """Bad input is a user error: the script reports its kind (OUT/failure.json), the
+    Prefect task does not retry it, and the command ends in one plain sentence, exit 2."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n" + json.dumps({"foo": 1}) + "\n")
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "crawl2chat.cli", "sft", "--base", str(base), "--data", str(bad), "--out", str(out),
+         "--max-steps", "2", "--set", f"home={tmp_path / 'home'}"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sft: ") and "no usable rows" in last and "train.log" in last, last
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["kind"] == "bad_input"
+    # One attempt only (no retry of a user error); the full trace is in train.log.
+    assert "AwaitingRetry" not in proc.stdout + proc.stderr
+    log = (run_dir / "train.log").read_text()
+    assert {line for line in log.splitlines() if line.startswith("error: ")} == {f"error: {failure['message']}"}
+    assert "Traceback" in log

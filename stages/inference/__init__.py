@@ -1,0 +1,1 @@
+"""Inference: generation, evaluation, export and the chat server."""

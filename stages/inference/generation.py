@@ -1,0 +1,311 @@
+"""Text generation shared by serving, the terminal chat, export checks and evaluation.
+
+* :func:`load_model` opens a model folder (Hugging Face layout) for inference,
+  optionally with dynamic int8 quantisation of every ``nn.Linear`` (weights
+  stored as int8, activations quantised on the fly; CPU only). Quantisation
+  happens at load time from the fp32 ``model.safetensors``: no quantised
+  checkpoint is ever written.
+* :func:`stream_tokens` is the decoding loop: one forward pass over the prompt
+  fills the KV cache, then one token per step reuses it. Sampling uses the
+  ``transformers`` logits warpers (temperature, top-k, top-p); temperature 0
+  is greedy. Decoding stops at ``<|endoftext|>``, at the chat turn end
+  ``<|end|>``, at a stop string or at ``max_new_tokens``.
+* :class:`TextStream` turns that token stream into text deltas that never
+  split a UTF-8 character, which is what the HTTP server streams.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from crawl2chat.stages.training.tokenizer import END_TURN_TOKEN, EOS_TOKEN
+
+QUANTIZE_CHOICES = ("none", "int8")
+SERVING_FILE = "serving.json"  # written by export: defaults for serving this folder
+
+
+# ---------------------------------------------------------------- loading
+
+
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """Dynamic int8 quantisation of the linear layers (CPU inference only)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def serving_defaults(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / SERVING_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load_model(model_dir: str | os.PathLike, quantize: str | None = None, device: str = "cpu"):
+    """``(model, tokenizer)`` for inference from a model folder. ``quantize``:
+    ``None``/``"none"`` or ``"int8"``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantize = (quantize or "none").lower()
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
+    if quantize == "int8" and device != "cpu":
+        raise ValueError("int8 dynamic quantisation runs on the CPU only")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval().to(device)
+    model.config.use_cache = True
+    if quantize == "int8":
+        model = quantize_int8(model)
+    return model, tokenizer
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 2048))
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """Token ids that end a generation: end of text and end of a chat turn."""
+    ids = set()
+    for tok in (EOS_TOKEN, END_TURN_TOKEN, tokenizer.eos_token):
+        if tok is None:
+            continue
+        i = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(i, int) and i != tokenizer.unk_token_id and i >= 0:
+            ids.add(i)
+    return ids
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop: Sequence[str] = ()
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 5.0:
+            raise ValueError("temperature must be in [0, 5]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+
+def _cache_kwarg(model) -> str:
+    """Name of the KV-cache argument: ``cache`` in recent ``transformers``,
+    ``past_key_values`` before."""
+    fwd = getattr(model, "_c2c_cache_kwarg", None)
+    if fwd is None:
+        params = inspect.signature(type(model).forward).parameters
+        fwd = "cache" if "cache" in params else "past_key_values"
+        try:
+            model._c2c_cache_kwarg = fwd
+        except Exception:  # noqa: BLE001 - some wrappers forbid attributes
+            pass
+    return fwd
+
+
+def forward_with_cache(model, input_ids: torch.Tensor, cache=None):
+    """One forward pass that reads and extends the KV cache; returns ``(logits, cache)``."""
+    from transformers import DynamicCache
+
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(model): cache})
+    new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
+    return out.logits, new_cache
+
+
+def _warpers(p: SamplingParams):
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    procs = LogitsProcessorList()
+    if p.temperature > 0 and p.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(p.temperature))
+    if p.top_k > 0:
+        procs.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        procs.append(TopPLogitsWarper(p.top_p))
+    return procs
+
+
+@torch.inference_mode()
+def stream_tokens(model, prompt_ids: Sequence[int], params: SamplingParams,
+                  stop_ids: set[int] | frozenset = frozenset()) -> Iterator[int]:
+    """Generated token ids, one at a time, with a KV cache. A stop token ends
+    the stream and is not yielded."""
+    params.validate()
+    device = next(model.parameters(), torch.empty(0)).device
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator(device="cpu").manual_seed(params.seed)
+    warpers = _warpers(params)
+    logits, cache = forward_with_cache(model, ids)
+    for _ in range(params.max_new_tokens):
+        scores = logits[:, -1, :].float()
+        if params.temperature == 0:
+            nxt = int(scores.argmax(-1))
+        else:
+            scores = warpers(ids, scores)  # these warpers look at the scores only
+            probs = torch.softmax(scores, dim=-1).cpu()
+            nxt = int(torch.multinomial(probs, 1, generator=gen))
+        if nxt in stop_ids:
+            return
+        yield nxt
+        step = torch.tensor([[nxt]], dtype=torch.long, device=device)
+        logits, cache = forward_with_cache(model, step, cache)
+
+
+@dataclass
+class TextStream:
+    """Incremental detokenisation of a token stream with stop strings.
+
+    ``deltas()`` yields text pieces; afterwards ``finish_reason`` is ``"stop"``
+    (stop token or stop string) or ``"length"`` and ``completion_tokens`` the
+    number of generated tokens."""
+
+    tokenizer: object
+    tokens: Iterator[int]
+    max_new_tokens: int
+    stop: Sequence[str] = ()
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    _ids: list[int] = field(default_factory=list)
+
+    def deltas(self) -> Iterator[str]:
+        emitted = 0
+        hold = max((len(s) for s in self.stop), default=1) - 1
+        for tok in self.tokens:
+            self._ids.append(tok)
+            self.completion_tokens += 1
+            text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
+                continue
+            cut = _first_stop(text, self.stop)
+            if cut is not None:
+                self.text = text[:cut]
+                if cut > emitted:
+                    yield text[emitted:cut]
+                self.finish_reason = "stop"
+                self._close()
+                return
+            self.text = text
+            safe = len(text) - hold  # a stop string may still be forming at the end
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+        self.finish_reason = "length" if self.completion_tokens >= self.max_new_tokens else "stop"
+        text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+        cut = _first_stop(text, self.stop)
+        if cut is not None:
+            text, self.finish_reason = text[:cut], "stop"
+        self.text = text
+        if len(self.text) > emitted:
+            yield self.text[emitted:]
+
+    def _close(self) -> None:
+        close = getattr(self.tokens, "close", None)
+        if close:
+            close()
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s]
+    hits = [h for h in hits if h >= 0]
+    return min(hits) if hits else None
+
+
+class Engine:
+    """A loaded model and tokenizer with the prompt handling every front end
+    shares (HTTP server, terminal chat, sample generations)."""
+
+    def __init__(self, model_dir: str | os.PathLike, quantize: str | None = None, device: str = "cpu"):
+        self.model_dir = str(model_dir)
+        if quantize is None:
+            quantize = serving_defaults(model_dir).get("quantize", "none")
+        self.quantize = quantize
+        self.model, self.tokenizer = load_model(model_dir, quantize=quantize, device=device)
+        self.compiled = bool(serving_defaults(model_dir).get("compile", False))
+        if self.compiled:  # export measured it faster than eager on this kind of machine
+            self.model.forward = torch.compile(self.model.forward, dynamic=True)
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.max_context = context_length(self.model)
+        self.lock = threading.Lock()  # tokenizers are shared across request threads
+
+    def encode(self, text: str) -> list[int]:
+        with self.lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A raw completion prompt as a document start: ``<|endoftext|>`` (what
+        precedes every document in the packed pretraining data) then the text."""
+        return [self.tokenizer.eos_token_id] + self.encode(text)
+
+    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        with self.lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.encode(text)
+
+    def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        total = len(prompt_ids) + max_new_tokens
+        if total > self.max_context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) = {total} "
+                             f"exceeds the model's context of {self.max_context} tokens")
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
+        params.validate()
+        self.check_length(prompt_ids, params.max_new_tokens)
+        return TextStream(self.tokenizer, stream_tokens(self.model, prompt_ids, params, self.stop_ids),
+                          params.max_new_tokens, stop=tuple(params.stop))
+
+    def complete(self, prompt: str, params: SamplingParams) -> str:
+        ts = self.stream(self.prompt_ids(prompt), params)
+        return "".join(ts.deltas())
+
+    def chat(self, messages: list[dict], params: SamplingParams) -> str:
+        ts = self.stream(self.chat_prompt_ids(messages), params)
+        return "".join(ts.deltas())
+
+
+def init_model_dir(out_dir: str | os.PathLike, text_file: str | os.PathLike, preset: str = "tiny",
+                   vocab_size: int = 320, seq_len: int = 256, seed: int = 0) -> Path:
+    """A randomly initialised model folder (weights, config and a tokenizer
+    trained on ``text_file``) in the same layout as a training stage's output;
+    used by smoke tests and serving benchmarks."""
+    from crawl2chat.stages.training.models import build_model, model_config
+    from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES, load_tokenizer, train_tokenizer
+
+    out = Path(out_dir)
+    tok_dir = out / "tokenizer.tmp"
+    train_tokenizer(text_file, tok_dir, vocab_size=vocab_size)
+    tok = load_tokenizer(tok_dir)
+    torch.manual_seed(seed)
+    cfg = model_config(preset, vocab_size=len(tok), seq_len=seq_len, pad_token_id=tok.pad_token_id,
+                       eos_token_id=tok.eos_token_id)
+    build_model(cfg).save_pretrained(out, safe_serialization=True)
+    import shutil
+
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).exists():
+            shutil.copy2(tok_dir / name, out / name)
+    shutil.rmtree(tok_dir)
+    return out

@@ -1,0 +1,1 @@
+"""Training: tokenizer, the shared Trainer, and one Accelerate-launched script per stage (pretrain, SFT, reward, DPO, PPO)."""

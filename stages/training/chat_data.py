@@ -1,0 +1,392 @@
+"""Post-training data: SFT conversations, preference pairs and PPO prompts.
+
+Readers take JSONL, ``.jsonl.gz`` or Parquet and return normalised records
+plus a :class:`collections.Counter` of skipped rows by reason. A bad row is
+counted and skipped; only a file with nothing usable left is an error.
+
+Accepted shapes:
+
+* SFT: ``messages`` (a list of ``{role, content}``), or ``prompt`` +
+  ``response``, or ``instruction`` + ``input`` + ``output`` (Alpaca).
+  Normalised to a list of messages ending with an assistant turn.
+* Preferences: ``prompt`` + ``chosen`` + ``rejected`` (``prompt`` a string or
+  a message list; optional per-pair ``margin``), or whole transcripts in
+  ``chosen``/``rejected`` as in Anthropic HH (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``),
+  split into the shared conversation and the two final assistant turns.
+  Normalised to ``{"prompt": messages, "chosen": str, "rejected": str, "margin": float}``.
+* PPO prompts: any of the above; the prompt messages are kept.
+
+Tokenisation goes through the tokenizer's own chat template: a conversation
+is rendered prefix by prefix, so each assistant turn's span (its content and
+the end-of-turn marker) is known and only those tokens get labels.
+
+:func:`derive_demo_sets` builds small SFT, preference and prompt sets from
+the crawled corpus itself, so the whole pipeline runs with no outside data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+IGNORE_INDEX = -100
+ROLES = {"system", "user", "assistant"}
+HH_TURN_RE = re.compile(r"\n\n(Human|Assistant): ")
+
+
+class NoUsableRows(ValueError):
+    """Every row of a data file was skipped."""
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_rows(path: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
+    """Rows of a JSONL (optionally gzipped) or Parquet file; ``None`` for a line
+    that is not a JSON object."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                yield None
+                continue
+            yield row if isinstance(row, dict) else None
+
+
+def _text(x: Any) -> str | None:
+    return x if isinstance(x, str) and x.strip() else None
+
+
+def _messages(x: Any) -> list[dict[str, str]] | None:
+    if not isinstance(x, list) or not x:
+        return None
+    out = []
+    for m in x:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            return None
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def parse_hh(transcript: str) -> list[dict[str, str]] | None:
+    """``"\\n\\nHuman: a\\n\\nAssistant: b"`` -> ``[{user: a}, {assistant: b}]``."""
+    parts = HH_TURN_RE.split(transcript)
+    if len(parts) < 3 or parts[0].strip():
+        return None
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[who], "content": text.strip()} for who, text in zip(parts[1::2], parts[2::2])]
+
+
+def sft_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """A row in one of the SFT shapes as messages; ValueError(reason) otherwise."""
+    if "messages" in row:
+        msgs = _messages(row["messages"])
+        if msgs is None:
+            raise ValueError("bad_messages")
+    elif "instruction" in row and "output" in row:
+        instr, out = _text(row["instruction"]), _text(row["output"])
+        if instr is None or out is None:
+            raise ValueError("empty_field")
+        extra = _text(row.get("input"))
+        msgs = [{"role": "user", "content": f"{instr}\n\n{extra}" if extra else instr},
+                {"role": "assistant", "content": out}]
+    elif "prompt" in row and "response" in row:
+        prompt, resp = row["prompt"], _text(row["response"])
+        pmsgs = [{"role": "user", "content": prompt}] if _text(prompt) else _messages(prompt)
+        if pmsgs is None or resp is None:
+            raise ValueError("empty_field")
+        msgs = [*pmsgs, {"role": "assistant", "content": resp}]
+    else:
+        raise ValueError("unknown_format")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        raise ValueError("no_assistant_turn")
+    return msgs
+
+
+def preference_pair(row: dict[str, Any]) -> dict[str, Any]:
+    """A row in one of the preference shapes, normalised; ValueError(reason) otherwise."""
+    if "chosen" not in row or "rejected" not in row:
+        raise ValueError("unknown_format")
+    margin = row.get("margin", 0.0)
+    if margin is None:
+        margin = 0.0
+    if not isinstance(margin, (int, float)):
+        raise ValueError("bad_margin")
+    if "prompt" in row and row["prompt"] is not None:
+        prompt = row["prompt"]
+        pmsgs = [{"role": "user", "content": prompt}] if _text(prompt) else _messages(prompt)
+        chosen, rejected = _text(row["chosen"]), _text(row["rejected"])
+        if pmsgs is None or chosen is None or rejected is None:
+            raise ValueError("empty_field")
+        return {"prompt": pmsgs, "chosen": chosen, "rejected": rejected, "margin": float(margin)}
+    c, r = _text(row["chosen"]), _text(row["rejected"])
+    if c is None or r is None:
+        raise ValueError("empty_field")
+    cm, rm = parse_hh(c), parse_hh(r)
+    if cm is None or rm is None:
+        raise ValueError("bad_transcript")
+    if cm[-1]["role"] != "assistant" or rm[-1]["role"] != "assistant" or cm[:-1] != rm[:-1] or len(cm) < 2:
+        raise ValueError("transcripts_diverge")
+    if not cm[-1]["content"] or not rm[-1]["content"]:
+        raise ValueError("empty_field")
+    if cm[-1]["content"] == rm[-1]["content"]:
+        raise ValueError("identical_pair")
+    return {"prompt": cm[:-1], "chosen": cm[-1]["content"], "rejected": rm[-1]["content"], "margin": float(margin)}
+
+
+def prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The prompt of a row in any SFT or preference shape (a trailing assistant turn is dropped)."""
+    try:
+        return preference_pair(row)["prompt"]
+    except ValueError:
+        pass
+    if "prompt" in row and "response" not in row:
+        p = row["prompt"]
+        msgs = [{"role": "user", "content": p}] if _text(p) else _messages(p)
+        if msgs is None:
+            raise ValueError("empty_field")
+        return msgs
+    msgs = _messages(row["messages"]) if "messages" in row else sft_messages(row)
+    if msgs is None:
+        raise ValueError("bad_messages")
+    while msgs and msgs[-1]["role"] == "assistant":
+        msgs = msgs[:-1]
+    if not msgs:
+        raise ValueError("no_prompt")
+    return msgs
+
+
+def _load(path, parse) -> tuple[list, Counter]:
+    records, skipped = [], Counter()
+    for row in read_rows(path):
+        if row is None:
+            skipped["bad_json"] += 1
+            continue
+        try:
+            records.append(parse(row))
+        except ValueError as e:
+            skipped[str(e)] += 1
+    if not records:
+        raise NoUsableRows(f"{path}: no usable rows (skipped {dict(skipped)})")
+    return records, skipped
+
+
+def load_sft(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], Counter]:
+    return _load(path, sft_messages)
+
+
+def load_preferences(path: str | os.PathLike) -> tuple[list[dict[str, Any]], Counter]:
+    return _load(path, preference_pair)
+
+
+def load_prompts(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], Counter]:
+    return _load(path, prompt_messages)
+
+
+def is_held_out(key: str, fraction: float) -> bool:
+    """Stable split by content hash, independent of row order."""
+    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
+    return (h % 10_000) < fraction * 10_000
+
+
+# ---------------------------------------------------------------- tokenisation
+
+
+def render(tokenizer, messages, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def encode_sft(tokenizer, messages, max_len: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels for a conversation: labels are the ids on assistant
+    turns (content and end-of-turn marker) and ``IGNORE_INDEX`` elsewhere.
+
+    The conversation is rendered prefix by prefix with the chat template; each
+    stretch between prefixes is tokenised on its own, which is also how a
+    prompt and a generated answer are tokenised at inference time."""
+    ids: list[int] = []
+    labels: list[int] = []
+    done = ""
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else render(tokenizer, [], True)
+            full = render(tokenizer, messages[: i + 1])
+            if not head.startswith(done) or not full.startswith(head):
+                raise ValueError("template_not_prefix_stable")
+            t = _ids(tokenizer, head[len(done):])
+            ids += t
+            labels += [IGNORE_INDEX] * len(t)
+            t = _ids(tokenizer, full[len(head):])
+            ids += t
+            labels += t
+            done = full
+    tail = render(tokenizer, messages)[len(done):]
+    t = _ids(tokenizer, tail)
+    ids += t
+    labels += [IGNORE_INDEX] * len(t)
+    ids, labels = ids[:max_len], labels[:max_len]
+    if all(x == IGNORE_INDEX for x in labels):
+        raise ValueError("no_assistant_tokens_within_seq_len")
+    return ids, labels
+
+
+def encode_prompt(tokenizer, prompt_messages_, max_len: int | None = None) -> list[int]:
+    """Prompt ids ending with the assistant generation prompt; long prompts keep their end."""
+    ids = _ids(tokenizer, render(tokenizer, prompt_messages_, add_generation_prompt=True))
+    return ids[-max_len:] if max_len else ids
+
+
+def encode_response(tokenizer, prompt_messages_, response: str, eot_id: int | None = None) -> list[int]:
+    """Ids of an assistant answer as the template closes it: content up to and
+    including the end-of-turn marker (what a sampled answer ends with; text the
+    template puts after the marker is dropped, so a reward model is trained on
+    exactly the sequences PPO later asks it to score)."""
+    head = render(tokenizer, prompt_messages_, add_generation_prompt=True)
+    full = render(tokenizer, [*prompt_messages_, {"role": "assistant", "content": response}])
+    if not full.startswith(head):
+        raise ValueError("template_not_prefix_stable")
+    ids = _ids(tokenizer, full[len(head):])
+    eot = end_of_turn_id(tokenizer) if eot_id is None else eot_id
+    if eot in ids:
+        ids = ids[: len(ids) - ids[::-1].index(eot)]
+    return ids
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The token a chat answer ends with: the template's end-of-turn marker, else EOS."""
+    ids = _ids(tokenizer, render(tokenizer, [{"role": "assistant", "content": "x"}]))
+    special = set(tokenizer.all_special_ids)
+    trailing = [t for t in ids if t in special]
+    return trailing[-1] if trailing else tokenizer.eos_token_id
+
+
+def encode_pair(tokenizer, pair: dict[str, Any], max_len: int) -> dict[str, Any]:
+    """Prompt + chosen / prompt + rejected ids with response masks, at most
+    ``max_len`` tokens each: a long prompt keeps its end, a long answer its start,
+    and the answer keeps at least half of ``max_len``."""
+    out: dict[str, Any] = {"margin": pair.get("margin", 0.0)}
+    eot = end_of_turn_id(tokenizer)
+    for side in ("chosen", "rejected"):
+        resp = encode_response(tokenizer, pair["prompt"], pair[side], eot)
+        prompt = encode_prompt(tokenizer, pair["prompt"])
+        # Over budget: the answer keeps at least half, the prompt keeps its end.
+        resp = resp[: max_len - min(len(prompt), max_len // 2)]
+        prompt = prompt[len(prompt) - (max_len - len(resp)):] if len(prompt) + len(resp) > max_len else prompt
+        out[side] = prompt + resp
+        out[side + "_mask"] = [0] * len(prompt) + [1] * len(resp)
+    return out
+
+
+def pad(rows: list[list[int]], value: int, length: int | None = None, left: bool = False):
+    import torch
+
+    n = length or max(len(r) for r in rows)
+    return torch.tensor([([value] * (n - len(r)) + r) if left else (r + [value] * (n - len(r))) for r in rows],
+                        dtype=torch.long)
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask):
+    """Sum of log-probabilities of the tokens where ``response_mask`` is 1 (right-padded rows)."""
+    import torch
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    lp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (lp * response_mask[:, 1:].float()).sum(-1)
+
+
+# ---------------------------------------------------------------- demo sets from the corpus
+
+_SENT_RE = re.compile(r"(?<=[.!?])\s+")
+
+
+def _corrupt(text: str, rng: random.Random) -> str:
+    words = text.split()
+    kind = rng.randrange(3)
+    if kind == 0 and len(words) > 3:
+        rng.shuffle(words)
+        return " ".join(words)
+    if kind == 1 and len(words) > 4:
+        return " ".join(words[: max(2, len(words) // 4)])
+    head = " ".join(words[: max(1, min(4, len(words)))])
+    return " ".join([head] * 3)
+
+
+def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, n: int = 200,
+                     seed: int = 0, max_chars: int = 400) -> dict[str, str]:
+    """Small SFT, preference and prompt sets derived from the corpus (``text``
+    column of the Parquet shards), deterministic for a given corpus and seed.
+
+    * SFT: ``"Continue: <first sentence>"`` -> the following text, and
+      ``"Summarise the page titled ..."`` (when a ``title`` column exists) ->
+      the page's opening.
+    * Preferences: the same prompts, chosen = the real continuation, rejected =
+      a shuffled-word, truncated or repeated corruption of it.
+    * Prompts (for PPO): prompts of pages not used above.
+
+    Writes ``sft.jsonl``, ``preference.jsonl`` and ``prompts.jsonl`` under
+    ``out_dir`` and returns their paths."""
+    from crawl2chat.stages.data.versions import iter_documents
+
+    rng = random.Random(seed)
+    examples = []
+    for row in iter_documents(shards_dir, ["text", "title"]):
+        text = (row.get("text") or "").strip()
+        if len(text) < 80:
+            continue
+        sents = [s.strip() for s in _SENT_RE.split(text.replace("\n", " ")) if s.strip()]
+        if len(sents) < 2:
+            continue
+        title = (row.get("title") or "").strip()
+        if title and len(examples) % 2 == 1:
+            prompt = f"Summarise the page titled \"{title[:100]}\"."
+            resp = " ".join(sents)[:max_chars]
+        else:
+            prompt = f"Continue: {sents[0][:200]}"
+            resp = " ".join(sents[1:])[:max_chars]
+        if len(resp.split()) >= 5:
+            examples.append((prompt, resp))
+        if len(examples) >= 3 * n:
+            break
+    if not examples:
+        raise NoUsableRows(f"no documents with two or more sentences under {shards_dir}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sft = examples[:n]
+    pref = examples[: n]
+    prompts = examples[n: 2 * n] or examples[: n]
+    paths = {k: out / f"{k}.jsonl" for k in ("sft", "preference", "prompts")}
+    with open(paths["sft"], "w", encoding="utf-8") as f:
+        for p, r in sft:
+            f.write(json.dumps({"prompt": p, "response": r}) + "\n")
+    with open(paths["preference"], "w", encoding="utf-8") as f:
+        for p, r in pref:
+            bad = _corrupt(r, rng)
+            if bad != r:
+                f.write(json.dumps({"prompt": p, "chosen": r, "rejected": bad}) + "\n")
+    with open(paths["prompts"], "w", encoding="utf-8") as f:
+        for p, _ in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return {k: str(v) for k, v in paths.items()}

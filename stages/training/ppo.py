@@ -1,0 +1,458 @@
+"""PPO from a reward model: an SFT policy optimised against a learned reward.
+
+Run under accelerate::
+
+    accelerate launch -m crawl2chat.stages.training.ppo --policy SFT_MODEL --reward RM_MODEL --prompts FILE --out OUT \\
+        [--config ppo.yaml] [--max-steps ROLLOUTS] [--set kl_coef=0.05 ...]
+
+Models: the actor starts from the SFT model; the critic is the reward model
+(``AutoModelForSequenceClassification``) with its scalar head applied at
+every position; the reference (the SFT model) and the reward model are
+frozen.
+
+One PPO step (``max_steps`` of them) is:
+
+1. rollout: ``rollout_batch_size`` prompts per process, answers sampled by
+   ``generate`` with the KV cache (plain sampling at ``temperature``, no
+   top-k/top-p, so the sampling distribution is the policy's), stopped at the
+   chat template's end-of-turn marker or after ``max_new_tokens``;
+2. scoring: log-probabilities under actor and reference, critic values, the
+   reward model's score of prompt + answer;
+3. rewards per answer token: ``-kl_coef * (log pi - log ref)``, plus the score
+   on the last token (the end-of-turn marker), plus ``missing_eos_penalty``
+   when the answer never ended; ``kl_coef`` fixed or adapted towards
+   ``kl_target`` (Ziegler et al., 2019);
+4. GAE advantages (``gamma``, ``lam``) and returns, advantages whitened over
+   the valid answer tokens of the whole rollout (all processes);
+5. ``ppo_epochs`` passes of shuffled minibatches: clipped policy ratio,
+   clipped value loss, entropy bonus; one optimizer (the shared AdamW/Lion
+   and schedule builders) over actor and critic, gradients clipped.
+
+Logged per step to ``OUT/metrics.jsonl``: ``reward_mean`` (reward-model score),
+``kl`` (per-answer sum of ``log pi - log ref``), ``kl_coef``, ``clip_fraction``,
+``entropy``, ``value_loss``, ``policy_loss``, ``response_length``, ``eos_rate``,
+and the time spent generating, scoring and training.
+
+Checkpoints: every ``checkpoint_every`` rollouts the actor-critic, optimizer,
+schedule, KL coefficient and RNG states are saved under ``OUT/checkpoints``;
+re-running an unfinished ``OUT`` resumes from the newest (a finished one is a no-op).
+
+Outputs: ``OUT/model`` (the actor, Hugging Face causal LM + tokenizer),
+``OUT/value_model`` (the critic, sequence-classification format),
+``OUT/metrics.json`` (``reward_mean_first``, ``reward_mean_last``,
+``kl_last``, throughput, ``policy``/``reward``/``prompts`` lineage).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate.utils import DistributedType
+
+from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
+from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
+from crawl2chat.stages.training.trainer import MetricsWriter, build_optimizer, build_scheduler, latest_checkpoint, make_accelerator, peak_memory_mb, save_checkpoint
+from crawl2chat.stages.training.settings import PPOConfig
+
+# ---------------------------------------------------------------- loss pieces
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, reduce: Callable | None = None) -> torch.Tensor:
+    s, n = (x * mask).sum(), mask.sum()
+    if reduce is not None:
+        s, n = reduce(s), reduce(n)
+    return s / n.clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, reduce: Callable | None = None,
+                  shift_mean: bool = True) -> torch.Tensor:
+    """``(x - mean) / std`` with mean and (unbiased) variance over ``mask`` only;
+    ``reduce`` (a sum across processes) makes the statistics global."""
+    mask = mask.to(x.dtype)
+    s, n = (x * mask).sum(), mask.sum()
+    if reduce is not None:
+        s, n = reduce(s), reduce(n)
+    mean = s / n.clamp(min=1)
+    sq = ((x - mean) ** 2 * mask).sum()
+    if reduce is not None:
+        sq = reduce(sq)
+    var = sq / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+                lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over answer tokens (``mask`` is a prefix
+    of ones per row); the value after the last valid token is 0. Returns
+    (advantages, returns = advantages + values), both zero outside ``mask``."""
+    mask = mask.to(values.dtype)
+    values, rewards = values * mask, rewards * mask
+    T = rewards.shape[1]
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_v = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        last = delta + gamma * lam * last
+        adv[:, t] = last
+    adv = adv * mask
+    return adv, (adv + values) * mask
+
+
+def token_rewards(logprobs, ref_logprobs, mask, scores, ended, kl_coef: float, missing_eos_penalty: float):
+    """Per-token rewards: KL penalty everywhere, the (penalised) score on the last valid token."""
+    mask = mask.to(logprobs.dtype)
+    kl = (logprobs - ref_logprobs) * mask
+    rewards = -kl_coef * kl
+    final = scores + torch.where(ended, 0.0, missing_eos_penalty).to(scores.dtype)
+    last = (mask.sum(1).long() - 1).clamp(min=0)
+    rewards[torch.arange(len(last)), last] += final
+    return rewards * mask, kl
+
+
+def ppo_losses(new_logprobs, values, entropy, old_logprobs, old_values, advantages, returns, mask,
+               cliprange: float, cliprange_value: float, vf_coef: float, ent_coef: float) -> dict[str, torch.Tensor]:
+    """Clipped-ratio policy loss, clipped value loss and entropy bonus, averaged over valid tokens."""
+    mask = mask.to(new_logprobs.dtype)
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    policy_loss = masked_mean(torch.maximum(pg1, pg2), mask)
+    v_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    vf1, vf2 = (values - returns) ** 2, (v_clipped - returns) ** 2
+    value_loss = 0.5 * masked_mean(torch.maximum(vf1, vf2), mask)
+    ent = masked_mean(entropy, mask)
+    loss = policy_loss + vf_coef * value_loss - ent_coef * ent
+    return {"loss": loss, "policy_loss": policy_loss, "value_loss": value_loss, "entropy": ent,
+            "clip_fraction": masked_mean((pg2 > pg1).to(mask.dtype), mask),
+            "value_clip_fraction": masked_mean((vf2 > vf1).to(mask.dtype), mask),
+            "approx_kl": 0.5 * masked_mean(log_ratio ** 2, mask)}
+
+
+class KLController:
+    """Fixed coefficient, or the adaptive proportional controller of Ziegler et al. (2019)."""
+
+    def __init__(self, init: float, adaptive: bool, target: float, horizon: int):
+        self.value, self.adaptive, self.target, self.horizon = init, adaptive, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        if self.adaptive and self.target > 0:
+            err = float(np.clip(current_kl / self.target - 1.0, -0.2, 0.2))
+            self.value *= 1.0 + err * n_steps / self.horizon
+
+
+# ---------------------------------------------------------------- models
+
+
+class ActorCritic(torch.nn.Module):
+    """The two trained models behind one module, so one optimizer and one
+    ``accelerator.prepare`` cover both. The critic is a sequence-classification
+    model whose scalar head is applied at every position."""
+
+    def __init__(self, actor, critic):
+        super().__init__()
+        self.actor, self.critic = actor, critic
+
+    def values(self, input_ids, attention_mask, position_ids):
+        backbone = getattr(self.critic, self.critic.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        return self.critic.score(hidden).squeeze(-1).float()
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        logits = self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).logits
+        return logits, self.values(input_ids, attention_mask, position_ids)
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, prompt_len: int, temperature: float):
+    """Log-probabilities and entropies of the answer tokens ``seq[:, prompt_len:]``."""
+    lg = logits[:, prompt_len - 1:-1].float() / temperature
+    logp_all = torch.log_softmax(lg, -1)
+    lp = logp_all.gather(-1, seq[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return lp, entropy
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class PPOState:
+    """What a PPO checkpoint carries beside the models, optimizer, schedule and RNG states."""
+
+    step: int = 0
+    kl_coef: float = 0.0
+    first: dict[str, Any] | None = None
+    totals: dict[str, float] = field(default_factory=lambda: {
+        "time_generate": 0.0, "time_score": 0.0, "time_train": 0.0, "optimizer_steps": 0})
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+class PPORunner:
+    def __init__(self, cfg: PPOConfig, acc, policy: str, reward: str, prompts: list[list[int]], out: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from crawl2chat.stages.training.reward import load_reward_model
+
+        self.cfg, self.acc, self.out = cfg, acc, out
+        self.tok = AutoTokenizer.from_pretrained(policy)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.eot_id = end_of_turn_id(self.tok)
+        self.prompts = prompts
+        actor = AutoModelForCausalLM.from_pretrained(policy)
+        critic = load_reward_model(reward, self.pad_id)
+        self.ref = AutoModelForCausalLM.from_pretrained(policy).to(acc.device).eval().requires_grad_(False)
+        self.rm = load_reward_model(reward, self.pad_id).to(acc.device).eval().requires_grad_(False)
+        ac = ActorCritic(actor, critic)
+        per_rollout = cfg.ppo_epochs * max(1, -(-cfg.rollout_batch_size // (cfg.micro_batch_size * cfg.grad_accum)))
+        optimizer = build_optimizer(ac, cfg)
+        self.model, self.optimizer = acc.prepare(ac, optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.model_copy(update={"max_steps": cfg.max_steps * per_rollout}))
+        self.kl = KLController(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
+        self.state = PPOState(kl_coef=self.kl.value)
+        acc.register_for_checkpointing(self.scheduler, self.state)
+        self.ckpt_root = out / "checkpoints"
+        self.metrics = MetricsWriter(out / "metrics.jsonl", enabled=acc.is_main_process)
+        self.reduce = lambda t: acc.reduce(t, "sum")
+
+    # ------------------------------------------------------------ rollout
+
+    def prompt_batch(self, step: int) -> list[list[int]]:
+        rng = np.random.default_rng([self.cfg.seed, step, self.acc.process_index])
+        return [self.prompts[i] for i in rng.integers(0, len(self.prompts), self.cfg.rollout_batch_size)]
+
+    @torch.no_grad()
+    def rollout(self, step: int) -> dict[str, Any]:
+        c, dev = self.cfg, self.acc.device
+        t0 = time.perf_counter()
+        prompts = self.prompt_batch(step)
+        p_ids = pad(prompts, self.pad_id, left=True).to(dev)
+        p_mask = pad([[1] * len(p) for p in prompts], 0, p_ids.shape[1], left=True).to(dev)
+        P = p_ids.shape[1]
+        actor = self.acc.unwrap_model(self.model).actor
+        actor.eval()
+        gen = actor.generate(input_ids=p_ids, attention_mask=p_mask, do_sample=True, temperature=c.temperature,
+                             top_k=0, top_p=1.0, max_new_tokens=c.max_new_tokens, eos_token_id=self.eot_id,
+                             pad_token_id=self.pad_id, use_cache=True)
+        resp = gen[:, P:]
+        if resp.shape[1] < c.max_new_tokens:
+            resp = F.pad(resp, (0, c.max_new_tokens - resp.shape[1]), value=self.pad_id)
+        is_eot = resp == self.eot_id
+        ended = is_eot.any(1)
+        first_eot = torch.where(ended, is_eot.float().argmax(1), torch.full_like(ended, c.max_new_tokens - 1,
+                                                                                     dtype=torch.long))
+        r_mask = (torch.arange(resp.shape[1], device=dev)[None] <= first_eot[:, None]).long()
+        resp = torch.where(r_mask.bool(), resp, self.pad_id)
+        seq, attn = torch.cat([p_ids, resp], 1), torch.cat([p_mask, r_mask], 1)
+        pos = positions(attn)
+        t1 = time.perf_counter()
+
+        self.model.eval()
+        logits, values = self.model(seq, attn, pos)
+        logprobs, _ = answer_logprobs(logits, seq, P, c.temperature)
+        values = values[:, P - 1:-1]
+        ref_logits = self.ref(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits
+        ref_logprobs, _ = answer_logprobs(ref_logits, seq, P, c.temperature)
+        scores = self.rm(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, 0].float()
+        mask = r_mask.float()
+        rewards, kl = token_rewards(logprobs, ref_logprobs, mask, scores, ended, self.kl.value, c.missing_eos_penalty)
+        adv, returns = compute_gae(rewards, values, mask, c.gamma, c.lam)
+        adv = masked_whiten(adv, mask, self.reduce)
+        t2 = time.perf_counter()
+        return {"seq": seq, "attn": attn, "pos": pos, "P": P, "logprobs": logprobs, "values": values,
+                "adv": adv, "returns": returns, "mask": mask, "scores": scores, "kl": kl.sum(1), "ended": ended,
+                "time_generate": t1 - t0, "time_score": t2 - t1}
+
+    # ------------------------------------------------------------ optimisation
+
+    def optimise(self, ro: dict[str, Any], step: int) -> dict[str, float]:
+        c = self.cfg
+        self.model.train()
+        B = ro["seq"].shape[0]
+        mb = c.micro_batch_size * c.grad_accum
+        rng = np.random.default_rng([c.seed, step, 1 + self.acc.process_index])
+        stats: dict[str, list[float]] = {}
+        n_opt = 0
+        for _ in range(c.ppo_epochs):
+            order = torch.from_numpy(rng.permutation(B))
+            for start in range(0, B, mb):
+                chunk = order[start:start + mb]
+                micros = [chunk[i:i + c.micro_batch_size] for i in range(0, len(chunk), c.micro_batch_size)]
+                for k, idx in enumerate(micros):
+                    idx = idx.to(ro["seq"].device)
+                    with (self.acc.no_sync(self.model) if k < len(micros) - 1 else _null()):
+                        logits, values = self.model(ro["seq"][idx], ro["attn"][idx], ro["pos"][idx])
+                        lp, ent = answer_logprobs(logits, ro["seq"][idx], ro["P"], c.temperature)
+                        out = ppo_losses(lp, values[:, ro["P"] - 1:-1], ent, ro["logprobs"][idx], ro["values"][idx],
+                                         ro["adv"][idx], ro["returns"][idx], ro["mask"][idx], c.cliprange,
+                                         c.cliprange_value, c.vf_coef, c.ent_coef)
+                        self.acc.backward(out["loss"] / len(micros))
+                    for key, v in out.items():
+                        stats.setdefault(key, []).append(v.item())
+                max_norm = c.clip_norm if c.clip_norm > 0 else float("inf")
+                grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
+                if not np.isfinite(grad_norm):
+                    # A non-finite gradient never reaches the weights; the minibatch is skipped and counted.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    stats.setdefault("skipped_minibatches", []).append(1.0)
+                    continue
+                stats.setdefault("grad_norm", []).append(grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                n_opt += 1
+        res = {k: float(np.mean(v)) for k, v in stats.items()}
+        res["skipped_minibatches"] = len(stats.get("skipped_minibatches", []))
+        res.setdefault("grad_norm", float("nan"))
+        res["optimizer_steps"] = n_opt
+        return res
+
+    def mean(self, x: torch.Tensor) -> float:
+        return float(self.acc.reduce(x.float().mean().detach(), "mean"))
+
+    def resume(self) -> None:
+        """Continue from the newest checkpoint under ``OUT/checkpoints``, if any."""
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return
+        self.acc.load_state(str(path))
+        self.kl.value = self.state.kl_coef
+        self.metrics.write({"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name})
+        self.acc.print(f"resumed from {path} at rollout {self.state.step}")
+
+    def run(self) -> dict[str, Any]:
+        c = self.cfg
+        self.resume()
+        first, last, totals = self.state.first, None, self.state.totals
+        start_step = self.state.step
+        t_start = time.perf_counter()
+        self.metrics.write({"type": "event", "event": "start", "step": self.state.step,
+                            "world_size": self.acc.num_processes})
+        for step in range(self.state.step + 1, c.max_steps + 1):
+            ro = self.rollout(step)
+            t0 = time.perf_counter()
+            st = self.optimise(ro, step)
+            t_train = time.perf_counter() - t0
+            kl = self.mean(ro["kl"])
+            rec = {"type": "step", "step": step, "reward_mean": self.mean(ro["scores"]), "kl": kl,
+                   "kl_coef": self.kl.value, "response_length": self.mean(ro["mask"].sum(1)),
+                   "eos_rate": self.mean(ro["ended"]), "lr": self.optimizer.param_groups[0]["lr"],
+                   **{k: st[k] for k in ("loss", "policy_loss", "value_loss", "entropy", "clip_fraction",
+                                         "value_clip_fraction", "approx_kl", "grad_norm", "skipped_minibatches")},
+                   "time_generate": ro["time_generate"], "time_score": ro["time_score"], "time_train": t_train}
+            self.kl.update(kl, c.rollout_batch_size * self.acc.num_processes)
+            for k in ("time_generate", "time_score"):
+                totals[k] += ro[k]
+            totals["time_train"] += t_train
+            totals["optimizer_steps"] += st["optimizer_steps"]
+            if step % max(1, c.log_every) == 0 or step == c.max_steps:
+                self.metrics.write(rec)
+            first = first or rec
+            last = rec
+            self.acc.print(f"ppo step {step}: reward {rec['reward_mean']:.3f} kl {kl:.3f} "
+                           f"len {rec['response_length']:.1f} clip {rec['clip_fraction']:.3f}")
+            self.state.step, self.state.kl_coef, self.state.first = step, self.kl.value, first
+            if c.checkpoint_every and step % c.checkpoint_every == 0 and step < c.max_steps:
+                save_checkpoint(self.acc, self.ckpt_root, step, c.keep_checkpoints)
+        wall = time.perf_counter() - t_start
+        busy = totals["time_generate"] + totals["time_score"] + totals["time_train"]
+        return {"steps": c.max_steps, "reward_mean_first": first["reward_mean"], "reward_mean_last": last["reward_mean"],
+                "kl_last": last["kl"], "kl_coef_last": self.kl.value, "response_length_last": last["response_length"],
+                "eos_rate_last": last["eos_rate"], "wall_seconds": wall,
+                "rollouts_per_second": (c.max_steps - start_step) / wall,
+                "optimizer_steps_per_second": totals["optimizer_steps"] / max(totals["time_train"], 1e-9),
+                "optimizer_steps": totals["optimizer_steps"],
+                "time_share_generate": totals["time_generate"] / busy, "time_share_score": totals["time_score"] / busy,
+                "time_share_train": totals["time_train"] / busy, **totals,
+                "world_size": self.acc.num_processes, "device": str(self.acc.device),
+                "peak_memory_mb": peak_memory_mb(self.acc.device)}
+
+    def save(self, policy: str, reward: str, summary: dict[str, Any]) -> None:
+        acc = self.acc
+        acc.wait_for_everyone()
+        state = acc.get_state_dict(self.model)
+        if acc.is_main_process:
+            ac = acc.unwrap_model(self.model)
+            actor_sd = {k[len("actor."):]: v for k, v in state.items() if k.startswith("actor.")}
+            save_model(ac.actor, actor_sd, Path(policy), self.out / "model")
+            if self.cfg.save_value_model:
+                critic_sd = {k[len("critic."):]: v for k, v in state.items() if k.startswith("critic.")}
+                save_model(ac.critic, critic_sd, Path(reward), self.out / "value_model")
+            summary["model_dir"] = str((self.out / "model").resolve())
+            (self.out / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.metrics.write({"type": "event", "event": "done", **summary})
+        self.metrics.close()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def parse_args(argv=None):
+    return stage_parser("ppo", __doc__).parse_args(argv)
+
+
+def run(cfg: PPOConfig, policy: str, reward: str, prompts_file: str, out: str | Path) -> dict[str, Any]:
+    """In-process PPO (one process, or one rank of an accelerate launch)."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    done = finished_summary(out, cfg.max_steps)
+    if done is not None:
+        print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
+        return done
+    acc = make_accelerator(cfg)
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        # PPO runs four models through its own loop; DeepSpeed's engine would own only one of them.
+        raise ValueError("PPO does not run under DeepSpeed; use the gpu_ddp or fsdp accelerate config")
+    prepare_out(acc, cfg, out)
+    tok = AutoTokenizer.from_pretrained(policy)
+    prompt_msgs, skipped = load_prompts(prompts_file)
+    prompts = [encode_prompt(tok, m, cfg.max_prompt_len) for m in prompt_msgs]
+    runner = PPORunner(cfg, acc, policy, reward, prompts, out)
+    acc.print(f"PPO: {len(prompts)} prompts (skipped {dict(skipped)}), {cfg.rollout_batch_size} per rollout per "
+              f"process, {cfg.max_steps} rollouts, kl_coef {cfg.kl_coef}{' adaptive' if cfg.adaptive_kl else ''}")
+    summary = runner.run()
+    summary.update(stage="ppo", policy=str(Path(policy).resolve()), reward=str(Path(reward).resolve()),
+                   prompts=str(Path(prompts_file).resolve()), prompt_count=len(prompts), skipped=dict(skipped))
+    runner.save(policy, reward, summary)
+    acc.end_training()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    return run(resolve(PPOConfig, args), args.policy, args.reward, args.prompts, args.out)
+
+
+if __name__ == "__main__":
+    run_script(main)

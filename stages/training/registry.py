@@ -1,0 +1,121 @@
+"""The training stages, declared once.
+
+Each :class:`TrainingStage` names its script, its inputs, the MLflow registered
+model it produces and how it is evaluated at the end. The CLI commands, the Prefect
+tasks and single-stage flows, and the ``prefect.yaml`` deployments are all made
+from this table, so a new stage is a script plus one entry here (and its settings
+section in :class:`crawl2chat.stages.settings.Config`).
+
+Pure data: importing it starts no torch, Ray or Prefect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Evaluation = Literal["lm", "chat", "policy"]
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One input of a stage: a ``--NAME`` flag of the script and the CLI, a flow parameter."""
+
+    name: str
+    help: str
+    default: str  # where the pipeline leaves it; the single-stage flow's default
+    model_role: str | None = None  # lineage role when the input is a model folder another stage made
+    setting: str | None = None  # the stage's settings field that supplies it when not given (e.g. "data")
+
+
+@dataclass(frozen=True)
+class TrainingStage:
+    name: str
+    module: str  # run as ``accelerate launch -m MODULE``
+    goal: str  # one sentence: CLI help, deployment description, MLflow record
+    inputs: tuple[StageInput, ...]
+    registered_name: str
+    evaluation: Evaluation | None  # the end-of-stage evaluation (see tasks.train)
+    report: Callable[[dict], str]  # one line summing up a finished run
+    max_steps_help: str = "Optimizer steps."
+    prepare_on_host: bool = False  # the module's prepare_on_host(argv) runs before the launch (Ray lives there)
+    artifact_dirs: tuple[str, ...] = ()  # summary keys naming further folders logged as artifacts
+    options: tuple[tuple[str, str], ...] = ()  # (setting under ``train``, help): a CLI shortcut ``--SETTING``
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs)
+
+
+def _fmt(summary: dict, key: str, spec: str = ".3f") -> str:
+    value = summary.get(key)
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+STAGES: dict[str, TrainingStage] = {s.name: s for s in (
+    TrainingStage(
+        name="pretrain",
+        module="crawl2chat.stages.training.pretrain",
+        goal="Train a BPE tokenizer and a decoder-only base model from scratch on the shards.",
+        inputs=(StageInput("data", "A data-stage output folder (its current version) or a plain text file.",
+                           "runs/data"),),
+        registered_name="crawl2chat-base",
+        evaluation="lm",
+        report=lambda s: f"val_loss {_fmt(s, 'val_loss')}  val_bpb {_fmt(s, 'val_bpb')}  "
+                         f"{_fmt(s, 'tokens_per_second', '.0f')} tokens/s",
+        prepare_on_host=True,
+        artifact_dirs=("tokenizer",),
+        options=(("preset", "Model preset: tiny, cpu-small, cpu, 124m, 1b."),),
+    ),
+    TrainingStage(
+        name="sft",
+        module="crawl2chat.stages.training.sft",
+        goal="Fine-tune the base model on chat data, loss on assistant tokens only.",
+        inputs=(StageInput("base", "Base model folder (Hugging Face causal LM + tokenizer).", "runs/pretrain/model",
+                           model_role="base"),
+                StageInput("data", "Chat data: JSONL or Parquet (messages | prompt+response | "
+                           "instruction+input+output).", "", setting="data")),
+        registered_name="crawl2chat-sft",
+        evaluation="chat",
+        report=lambda s: f"{s.get('steps')} steps, val_loss {_fmt(s, 'val_loss')}",
+    ),
+    TrainingStage(
+        name="reward",
+        module="crawl2chat.stages.training.reward",
+        goal="Train a scalar reward model on preference pairs (pairwise logistic loss).",
+        inputs=(StageInput("base", "Base (or SFT) model folder.", "runs/pretrain/model", model_role="base"),
+                StageInput("data", "Preference pairs: prompt+chosen+rejected[+margin], or HH transcripts.", "",
+                           setting="data")),
+        registered_name="crawl2chat-reward",
+        evaluation=None,
+        report=lambda s: f"eval_accuracy {_fmt(s, 'eval_accuracy')}",
+    ),
+    TrainingStage(
+        name="ppo",
+        module="crawl2chat.stages.training.ppo",
+        goal="Optimise the SFT policy against the reward model with PPO and a KL penalty to the reference.",
+        inputs=(StageInput("policy", "SFT model folder (actor start and frozen reference).", "runs/sft/model",
+                           model_role="sft"),
+                StageInput("reward", "Reward model folder (scorer and critic start).", "runs/reward/model",
+                           model_role="reward"),
+                StageInput("prompts", "Prompts: JSONL or Parquet with `prompt` or `messages`.", "",
+                           setting="prompts")),
+        registered_name="crawl2chat-policy",
+        evaluation="policy",
+        report=lambda s: f"reward {_fmt(s, 'reward_mean_first')} -> {_fmt(s, 'reward_mean_last')}, "
+                         f"KL {_fmt(s, 'kl_last')}",
+        max_steps_help="PPO rollouts.",
+    ),
+    TrainingStage(
+        name="dpo",
+        module="crawl2chat.stages.training.dpo",
+        goal="Optimise the SFT policy directly on preference pairs (DPO) against a frozen reference.",
+        inputs=(StageInput("policy", "SFT model folder (policy start and frozen reference).", "runs/sft/model",
+                           model_role="sft"),
+                StageInput("data", "Preference pairs.", "", setting="data")),
+        registered_name="crawl2chat-dpo",
+        evaluation="chat",
+        report=lambda s: f"eval_reward_accuracy {_fmt(s, 'eval_reward_accuracy')}",
+    ),
+)}

@@ -1,0 +1,135 @@
+"""Reward model: a base causal LM + a scalar head, trained on preference pairs.
+
+Run under accelerate::
+
+    accelerate launch -m crawl2chat.stages.training.reward --base MODEL_DIR --data PREFS --out OUT \\
+        [--config rm.yaml] [--max-steps N] [--set lr=1e-4 ...]
+
+The model is ``AutoModelForSequenceClassification`` with ``num_labels=1`` on
+the base weights (a Llama base gives ``LlamaForSequenceClassification``): its
+score is read at the last non-padding token, which here is the end-of-turn
+marker closing the assistant answer. Loss per pair is
+``-logsigmoid(r_chosen - r_rejected - margin)`` (Bradley-Terry, with the
+optional per-pair margin). Training machinery is the shared
+:class:`~crawl2chat.stages.training.trainer.Trainer`; re-running on the same ``OUT`` resumes.
+
+Outputs: ``OUT/model`` (loads with ``AutoModelForSequenceClassification``;
+``pad_token_id`` set in its config), ``OUT/metrics.jsonl`` and
+``OUT/metrics.json`` (``eval_accuracy`` on held-out pairs, ``val_loss``,
+``base``/``data`` lineage).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from crawl2chat.stages.training.chat_data import encode_pair, is_held_out, load_preferences, pad
+from crawl2chat.stages.training.sampling import ExampleSampler
+from crawl2chat.stages.training.stage import finish, run_script, stage_parser, start_stage
+from crawl2chat.stages.training.trainer import Trainer
+from crawl2chat.stages.training.settings import RewardConfig
+
+def tokenise_pairs(tokenizer, pairs, cfg, key=lambda p: json.dumps(p, sort_keys=True)):
+    """Encoded pairs split into train/held-out by content hash, plus skip counts."""
+    train, val, skipped = [], [], Counter()
+    for p in pairs:
+        try:
+            enc = encode_pair(tokenizer, p, cfg.seq_len)
+        except ValueError as e:
+            skipped[str(e)] += 1
+            continue
+        (val if is_held_out(key(p), cfg.val_fraction) else train).append(enc)
+    if not train:
+        raise ValueError(f"no preference pairs left after tokenisation (skipped {dict(skipped)})")
+    return train, val, skipped
+
+
+def collate_pairs(encoded: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen and rejected rows right-padded to one length (chosen first, then rejected)."""
+    rows = [e["chosen"] for e in encoded] + [e["rejected"] for e in encoded]
+    masks = [e["chosen_mask"] for e in encoded] + [e["rejected_mask"] for e in encoded]
+    ids = pad(rows, pad_id)
+    return {"input_ids": ids, "attention_mask": pad([[1] * len(r) for r in rows], 0, ids.shape[1]),
+            "response_mask": pad(masks, 0, ids.shape[1]),
+            "margin": torch.tensor([float(e["margin"]) for e in encoded])}
+
+
+def pair_rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    scores = scores.squeeze(-1).float()
+    n = scores.shape[0] // 2
+    return scores[:n], scores[n:]
+
+
+def pairwise_loss(model, batch) -> tuple[torch.Tensor, int]:
+    """Mean ``-logsigmoid(r_chosen - r_rejected - margin)`` over the pairs of the batch."""
+    rc, rr = pair_rewards(model, batch)
+    return -F.logsigmoid(rc - rr - batch["margin"]).mean(), rc.shape[0]
+
+
+@torch.no_grad()
+def pair_accuracy(acc, model, batches, score_fn) -> dict[str, float]:
+    """Share of held-out pairs whose chosen side scores higher (reduced over ranks)."""
+    model.eval()
+    right = torch.zeros((), device=acc.device)
+    total = torch.zeros((), device=acc.device)
+    margins = []
+    for b in batches:
+        b = {k: v.to(acc.device) for k, v in b.items()}
+        rc, rr = score_fn(model, b)
+        right += (rc > rr).sum() + 0.5 * (rc == rr).sum()  # a tie is a coin flip
+        total += rc.numel()
+        margins.append((rc - rr).mean())
+    right, total = acc.reduce(right, "sum"), acc.reduce(total, "sum")
+    return {"accuracy": (right / total.clamp(min=1)).item(),
+            "margin_mean": torch.stack(margins).mean().item() if margins else float("nan")}
+
+
+def load_reward_model(path, pad_token_id: int | None = None):
+    from transformers import AutoModelForSequenceClassification
+
+    kw = {"pad_token_id": pad_token_id} if pad_token_id is not None else {}
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kw)
+    model.config.use_cache = False
+    return model
+
+
+def parse_args(argv=None):
+    return stage_parser("reward", __doc__).parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    start, done = start_stage(RewardConfig, args, args.base)
+    if start is None:
+        return done
+    cfg, out, acc, tokenizer, pad_id = start.cfg, start.out, start.acc, start.tokenizer, start.pad_id
+    pairs, bad_rows = load_preferences(args.data)
+    train, val, skipped = tokenise_pairs(tokenizer, pairs, cfg)
+    encoded = train + val
+    sampler = ExampleSampler(len(train), list(range(len(train), len(encoded))),
+                             lambda ids: collate_pairs([encoded[i] for i in ids], pad_id), cfg)
+    model = load_reward_model(args.base, pad_id)
+    acc.print(f"reward model: {len(train)} pairs, {len(val)} held out; skipped {dict(bad_rows + skipped)}")
+    trainer: Trainer | None = None
+
+    def eval_extra(_loss: float) -> dict[str, float]:
+        r = pair_accuracy(acc, trainer.model, sampler.eval_batches(trainer.rank, trainer.world), pair_rewards)
+        return {"eval_accuracy": r["accuracy"], "eval_margin": r["margin_mean"]}
+
+    trainer = Trainer(cfg, acc, model, out, batch_fn=sampler.batch, loss_fn=pairwise_loss,
+                      eval_batches_fn=sampler.eval_batches if val else None, eval_extra=eval_extra)
+    summary = trainer.fit()
+    summary.update(stage="reward", base=str(Path(args.base).resolve()), data=str(Path(args.data).resolve()),
+                   pairs=len(train), held_out=len(val), skipped=dict(bad_rows + skipped))
+    return finish(acc, trainer, Path(args.base), out, summary)
+
+
+if __name__ == "__main__":
+    run_script(main)

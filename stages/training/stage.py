@@ -1,0 +1,212 @@
+"""What every training script does at its start and its end.
+
+Each stage (:mod:`~crawl2chat.stages.training.pretrain`, ``sft``, ``reward``,
+``dpo``, ``ppo``) is a script run under ``accelerate launch``. They share:
+
+* the command line (:func:`stage_parser`): the stage's input flags, ``--out``,
+  ``--config`` (YAML of the stage's settings), ``--max-steps`` and ``--set
+  KEY=VALUE`` overrides read by :func:`crawl2chat.stages.settings.load_settings`;
+* the opening (:func:`start_stage`): settings, the finished-run check, the
+  accelerator, the output folder with its ``config.yaml`` and the starting model's
+  tokenizer;
+* the close (:func:`finish`): ``OUT/model`` in the Hugging Face layout written
+  atomically (:func:`save_model`) and ``OUT/metrics.json``;
+* the failure report (:func:`run_script`): a failing script writes
+  ``OUT/failure.json`` naming the kind of failure, so whoever launched it decides
+  from that, not from its log, whether a second attempt can help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from crawl2chat.stages.settings import SettingsError, load_settings, parse_overrides
+from crawl2chat.stages.training.registry import STAGES
+from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES
+from crawl2chat.stages.training.trainer import Trainer, TrainingDiverged, make_accelerator
+
+FAILURE_FILE = "failure.json"
+
+# Failure kinds; only "transient" is worth a second attempt.
+BAD_INPUT = "bad_input"  # settings, data or a missing file: the user must change something
+DIVERGED = "diverged"  # training diverged after every rollback
+TRANSIENT = "transient"  # anything else (a lost peer, a killed process): a rerun resumes from the checkpoint
+EXIT_CODES = {BAD_INPUT: 2, DIVERGED: 3, TRANSIENT: 1}
+
+
+def failure_kind(error: BaseException) -> str:
+    if isinstance(error, TrainingDiverged):
+        return DIVERGED
+    if isinstance(error, (SettingsError, ValueError, FileNotFoundError, KeyError, TypeError)):
+        return BAD_INPUT
+    return TRANSIENT
+
+
+def read_failure(out: str | Path) -> dict[str, Any] | None:
+    """The failure a script reported in ``out``, if any."""
+    try:
+        return json.loads((Path(out) / FAILURE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _out_arg(argv: list[str]) -> Path | None:
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--out="):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
+    """Run a stage's ``main``; on failure write ``OUT/failure.json`` (kind, message),
+    print the traceback and then one plain sentence, and exit with the kind's status
+    (2: bad input, 3: diverged, 1: transient)."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = _out_arg(argv)
+    if out is not None:
+        (out / FAILURE_FILE).unlink(missing_ok=True)
+    try:
+        main(argv)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit status
+        if isinstance(e, SystemExit):
+            if e.code in (0, None):
+                return
+            kind, message = BAD_INPUT, f"invalid command line (exit status {e.code})"
+        else:
+            kind, message = failure_kind(e), str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            traceback.print_exc()
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            tmp = out / f".{FAILURE_FILE}.{os.getpid()}"
+            tmp.write_text(json.dumps({"kind": kind, "error": type(e).__name__, "message": message}))
+            os.replace(tmp, out / FAILURE_FILE)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CODES[kind])
+
+
+def stage_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of the stage ``name`` (its input flags from the registry)."""
+    stage = STAGES[name]
+    p = argparse.ArgumentParser(prog=stage.module, description=doc.split("\n\n")[0])
+    for item in stage.inputs:
+        p.add_argument(f"--{item.name}", required=True, help=item.help)
+    p.add_argument("--out", required=True, help="run folder; re-running on it resumes")
+    p.add_argument("--config", help="YAML file of the stage's settings")
+    p.add_argument("--max-steps", type=int, help=stage.max_steps_help)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting (dotted for nested, e.g. rollback.max_rollbacks=2)")
+    return p
+
+
+def resolve(cls, args: argparse.Namespace):
+    """The stage's settings: ``--config``, then ``--set`` overrides, then ``--max-steps``."""
+    overrides = parse_overrides(args.overrides)
+    if args.max_steps is not None:
+        overrides["max_steps"] = args.max_steps
+    return load_settings(cls, args.config, overrides)
+
+
+def script_argv(inputs: dict[str, str], out: str | Path, config: str | None = None, max_steps: int | None = None,
+                overrides: list[str] | None = None) -> list[str]:
+    """A stage script's argv from its inputs and options (what a launcher passes)."""
+    argv = [x for k, v in inputs.items() for x in (f"--{k}", str(v))] + ["--out", str(out)]
+    if config:
+        argv += ["--config", str(config)]
+    if max_steps is not None:
+        argv += ["--max-steps", str(max_steps)]
+    for o in overrides or []:
+        argv += ["--set", o]
+    return argv
+
+
+@dataclass
+class StageStart:
+    """What every post-training script has once it is under way."""
+
+    cfg: Any
+    out: Path
+    acc: Any
+    tokenizer: Any
+    pad_id: int
+
+
+def start_stage(config_cls, args: argparse.Namespace, model_path: str) -> tuple[StageStart | None, dict | None]:
+    """The common opening of the SFT, reward and DPO scripts: settings, the finished-run
+    check (returns ``(None, summary)`` when the run is already done), the accelerator,
+    the output folder and the tokenizer of the starting model."""
+    from transformers import AutoTokenizer
+
+    cfg = resolve(config_cls, args)
+    out = Path(args.out)
+    done = finished_summary(out, cfg.max_steps)
+    if done is not None:
+        print(f"{out} already finished {done['steps']} steps; model in {out / 'model'}")
+        return None, done
+    acc = make_accelerator(cfg)
+    prepare_out(acc, cfg, out)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return StageStart(cfg, out, acc, tokenizer, pad_id), None
+
+
+def prepare_out(acc, cfg, out: Path) -> None:
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    acc.wait_for_everyone()
+
+
+def finish(acc, trainer: Trainer, tok_dir: Path, out: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """Save ``OUT/model`` (weights, config, tokenizer files) and ``OUT/metrics.json``."""
+    acc.wait_for_everyone()
+    state_dict = acc.get_state_dict(trainer.model)
+    if acc.is_main_process:
+        save_model(acc.unwrap_model(trainer.model), state_dict, Path(tok_dir), out / "model")
+        summary["model_dir"] = str((out / "model").resolve())
+        (out / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+        trainer.metrics.write({"type": "event", "event": "done", **summary})
+        acc.print(json.dumps(summary))
+    trainer.metrics.close()
+    acc.end_training()
+    return summary
+
+
+def finished_summary(out: Path, max_steps: int) -> dict | None:
+    """The summary of a run in ``out`` that already reached ``max_steps``, else None."""
+    try:
+        summary = json.loads((out / "metrics.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if summary.get("steps", 0) >= max_steps and (out / "model" / "config.json").exists():
+        return summary
+    return None
+
+
+def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
+    """Weights, config and tokenizer side by side in the Hugging Face layout."""
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.config.use_cache = True
+    if state_dict is not None and getattr(model.config, "tie_word_embeddings", False):
+        # A gathered state dict (DeepSpeed) carries the tied head as a copy of its own;
+        # the config re-ties it on load, so the file keeps one tensor.
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).exists():
+            shutil.copy2(tok_dir / name, tmp / name)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(tmp, model_dir)

@@ -1,0 +1,521 @@
+"""Training machinery shared by every model stage (pretraining, SFT, RM, DPO).
+
+A stage supplies a model, a ``batch_fn`` that returns the micro-batch for a
+(global batch index, micro step, rank, world size), and a ``loss_fn``; the
+:class:`Trainer` here owns everything else:
+
+* the optimizer (AdamW or Lion, weight decay on matrices only) and the
+  learning-rate schedule (warmup + cosine / linear / polynomial / step /
+  warmup-stable-decay / constant);
+* gradient accumulation, clipping by global norm, mixed precision chosen from
+  the hardware (fp32 on CPU, bf16 on GPUs that have it, else fp16);
+* DDP, FSDP or DeepSpeed ZeRO, as the accelerate config chooses; under
+  DeepSpeed the engine does the accumulation, clipping and optimizer step, and
+  the trainer writes its own micro-batch size, accumulation steps and clipping
+  norm into the DeepSpeed config so the two agree;
+* checkpoints with ``accelerator.save_state``: model, optimizer, scheduler,
+  RNG states and the :class:`TrainState` (step, data position, learning-rate
+  scale, rollback count, recent losses), so a resumed run continues exactly
+  where it stopped;
+* rollback: a non-finite loss or gradient norm, or a loss spike beyond
+  ``spike_factor`` x the recent mean, reloads the last good checkpoint, skips
+  the batches since it up to and including the offending one, scales the
+  learning rate by ``lr_factor`` and records the event; after
+  ``max_rollbacks`` the run fails with :class:`TrainingDiverged`;
+* metrics as JSON lines in ``OUT/metrics.jsonl`` (rank 0 only), which the
+  orchestration layer tails into MLflow. This module imports neither Prefect
+  nor MLflow.
+
+Data position: batches are addressed by a global index, and a stage's
+``batch_fn`` must be a pure function of that index (pretraining draws random
+windows from a generator seeded with ``(seed, index)``). Saving the index is
+then all a checkpoint needs to resume the data stream, and skipping batches
+after a rollback is advancing it.
+
+Checkpoints are written to ``OUT/checkpoints/step_XXXXXXXX.tmp`` and renamed
+when every rank has finished, so a run killed mid-save never leaves a
+half-written checkpoint that a resume would pick. Directories are named by
+step explicitly instead of through accelerate's automatic naming, whose
+counter ``load_state`` does not restore (the next save would collide).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from crawl2chat.stages.training.settings import TrainConfig
+
+CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")
+
+
+# ---------------------------------------------------------------- configuration
+
+
+# ---------------------------------------------------------------- hardware
+
+
+def resolve_mixed_precision(choice: str) -> str:
+    """``auto``: bf16 where the GPU has bf16 units, fp16 on older GPUs, fp32 on CPU
+    (CPUs without bf16 units run autocast bf16 matmuls far slower than fp32)."""
+    if choice != "auto":
+        return choice
+    if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true"):
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
+
+
+def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       n: int | None = None, seconds: float = 0.5) -> float:
+    """Sustained dense matmul FLOP/s on this device with the current thread count:
+    the denominator of model-FLOPs utilisation when no spec-sheet figure is given."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b
+    sync()
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        iters += 1
+        sync()
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return 2.0 * n**3 * iters / dt
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak accelerator memory allocated by this process, or its peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ---------------------------------------------------------------- optimizer and schedule
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW or Lion; weight decay on matrices, none on norms, biases and gains."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optimizer == "lion":
+        from lion_pytorch import Lion
+
+        return Lion(groups, lr=cfg.lr, betas=cfg.betas)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8)
+
+
+class _StepDecay:
+    """Linear warmup, then x gamma every ``every`` steps (a picklable LambdaLR multiplier)."""
+
+    def __init__(self, warmup: int, every: int, gamma: float, floor: float):
+        self.warmup, self.every, self.gamma, self.floor = warmup, every, gamma, floor
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return max(self.floor, self.gamma ** ((step - self.warmup) // self.every))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+    from transformers import get_scheduler
+
+    kw = dict(num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps)
+    min_ratio = cfg.min_lr / cfg.lr
+    if cfg.schedule == "cosine":
+        return get_scheduler("cosine_with_min_lr", optimizer, **kw, scheduler_specific_kwargs={"min_lr": cfg.min_lr})
+    if cfg.schedule == "linear":
+        return get_scheduler("polynomial", optimizer, **kw, scheduler_specific_kwargs={"lr_end": cfg.min_lr, "power": 1.0})
+    if cfg.schedule == "polynomial":
+        return get_scheduler("polynomial", optimizer, **kw,
+                             scheduler_specific_kwargs={"lr_end": cfg.min_lr, "power": cfg.poly_power})
+    if cfg.schedule == "wsd":
+        decay = max(1, int(cfg.max_steps * cfg.decay_fraction))
+        return get_scheduler("warmup_stable_decay", optimizer, **kw,
+                             scheduler_specific_kwargs={"num_decay_steps": decay, "min_lr_ratio": min_ratio})
+    if cfg.schedule == "step":
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _StepDecay(max(1, cfg.warmup_steps), cfg.step_every, cfg.step_gamma, min_ratio))
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=cfg.warmup_steps)
+
+
+# ---------------------------------------------------------------- state, checkpoints, metrics
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint needs beyond model/optimizer/scheduler/RNG."""
+
+    step: int = 0  # optimizer steps completed
+    batch_index: int = 0  # next global batch to draw: the data position
+    tokens_seen: int = 0
+    lr_scale: float = 1.0  # product of rollback lr factors so far
+    rollbacks: int = 0
+    recent_losses: list[float] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    steps = sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name))
+    return steps[-1] if steps else None
+
+
+def save_checkpoint(acc, root: Path, step: int, keep: int) -> Path:
+    """``acc.save_state`` (models, optimizers, registered objects, RNG states) into
+    ``root/step_XXXXXXXX``: written under a ``.tmp`` name and renamed, so a resume
+    never picks a half-written checkpoint; only the newest ``keep`` are kept."""
+    final = Path(root) / f"step_{step:08d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    acc.save_state(str(tmp), safe_serialization=True)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        kept = sorted(p for p in Path(root).iterdir() if CHECKPOINT_RE.match(p.name))
+        for old in kept[: max(0, len(kept) - max(1, keep))]:
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return final
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``path`` (rank 0 only), flushed per line
+    so a tailing reader sees every step as it happens."""
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+        self.enabled = enabled
+        self.f = None
+        if enabled:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.f is not None:
+            self.f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- trainer
+
+# (model, batch) -> (mean loss over the batch's tokens, number of tokens)
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+# (global batch index, micro step, rank, world size) -> micro-batch of tensors
+BatchFn = Callable[[int, int, int, int], dict[str, torch.Tensor]]
+# (rank, world size) -> this rank's validation micro-batches
+EvalBatchesFn = Callable[[int, int], Iterable[dict[str, torch.Tensor]]]
+
+
+def make_accelerator(cfg: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
+
+    handlers = []
+    backend = _deepspeed_cpu_backend()
+    if backend:
+        # accelerate knows no process-group backend for a machine without an
+        # accelerator device and would report every DeepSpeed rank as process 0 of 1.
+        handlers.append(InitProcessGroupKwargs(backend=backend))
+    acc = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision), kwargs_handlers=handlers)
+    if acc.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
+    set_seed(cfg.seed)
+    return acc
+
+
+def _deepspeed_cpu_backend() -> str | None:
+    """DeepSpeed's process-group backend (gloo, or ccl with oneCCL) when this process
+    was launched for DeepSpeed on a machine where DeepSpeed runs on the CPU."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    ds = get_accelerator()
+    return ds.communication_backend_name() if ds.device_name() == "cpu" else None
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        accelerator,
+        model: torch.nn.Module,
+        out_dir: str | os.PathLike,
+        batch_fn: BatchFn,
+        loss_fn: LossFn,
+        eval_batches_fn: EvalBatchesFn | None = None,
+        flops_per_token: float | None = None,
+        eval_extra: Callable[[float], dict[str, float]] | None = None,
+    ):
+        self.cfg, self.acc = cfg, accelerator
+        self.out = Path(out_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.batch_fn, self.loss_fn = batch_fn, loss_fn
+        self.eval_batches_fn, self.eval_extra = eval_batches_fn, eval_extra
+        self.flops_per_token = flops_per_token
+        self.world, self.rank = accelerator.num_processes, accelerator.process_index
+        self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.world
+
+        optimizer = build_optimizer(model, cfg)
+        plugin = accelerator.state.deepspeed_plugin
+        self.deepspeed = plugin is not None
+        if self.deepspeed:
+            # No DataLoader goes through prepare() for accelerate to read a batch size
+            # from, and the engine accumulates and clips itself: it gets our numbers.
+            plugin.deepspeed_config.update(
+                train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
+                train_batch_size=cfg.micro_batch_size * cfg.grad_accum * self.world, gradient_clipping=cfg.clip_norm)
+            accelerator.gradient_accumulation_steps = cfg.grad_accum
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # The scheduler is stepped by hand once per optimizer step; accelerate's
+        # wrapper would step it once per process. DeepSpeed's ZeRO optimizer is no
+        # torch optimizer (the schedules read ``defaults``); the one inside it is
+        # ours, with the same param groups.
+        self.scheduler = build_scheduler(optimizer if self.deepspeed else self.optimizer, cfg)
+        self.state = TrainState()
+        accelerator.register_for_checkpointing(self.scheduler, self.state)
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=accelerator.is_main_process)
+        self.peak_flops = cfg.peak_flops
+        self.last_eval: dict[str, float] = {}
+
+    # ------------------------------------------------------------ steps
+
+    def forward_backward_step(self, batch_index: int) -> torch.Tensor:
+        """All micro-batches of one global batch on this rank; returns the local mean loss."""
+        total = torch.zeros((), device=self.acc.device)
+        for micro in range(self.cfg.grad_accum):
+            batch = {k: v.to(self.acc.device) for k, v in self.batch_fn(batch_index, micro, self.rank, self.world).items()}
+            last = micro == self.cfg.grad_accum - 1
+            if self.deepspeed:
+                # The engine divides the loss by its accumulation steps itself, and
+                # reduces, clips and steps inside backward() on the boundary micro-batch.
+                self.acc.sync_gradients = last
+            # Gradients are all-reduced once, on the last micro-batch.
+            with nullcontext() if last or self.deepspeed else self.acc.no_sync(self.model):
+                loss, _ = self.loss_fn(self.model, batch)
+                if batch_index in self.cfg.inject_nan_at_batches:
+                    loss = loss * float("nan")
+                self.acc.backward(loss if self.deepspeed else loss / self.cfg.grad_accum)
+            total += loss.detach() / self.cfg.grad_accum
+        return total
+
+    def train_step(self) -> dict[str, Any] | None:
+        """One optimizer step; returns its metrics, or None when it was rolled back."""
+        t0 = time.perf_counter()
+        batch_index = self.state.batch_index
+        self.model.train()
+        local_loss = self.forward_backward_step(batch_index)
+        loss = self.acc.reduce(local_loss, reduction="mean").item()
+        grad_norm = self.clip_grad_norm()
+
+        reason = self._instability(loss, grad_norm)
+        if reason:
+            self.rollback(reason, batch_index, loss, grad_norm)
+            return None
+
+        # Under DeepSpeed the step has already been taken (a rollback reloads the
+        # checkpoint all the same) and optimizer.step() is a no-op; the lr it used is
+        # still the current one, as the scheduler steps only below.
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        s = self.state
+        s.step += 1
+        s.batch_index += 1
+        s.tokens_seen += self.tokens_per_step
+        s.recent_losses = (s.recent_losses + [loss])[-self.cfg.rollback.spike_window:]
+        dt = time.perf_counter() - t0
+        tps = self.tokens_per_step / dt
+        rec = {"type": "step", "step": s.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_second": tps, "tokens": s.tokens_seen, "step_time": dt}
+        if self.flops_per_token and self.peak_flops:
+            rec["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world)
+        return rec
+
+    def clip_grad_norm(self) -> float:
+        """Clip to ``clip_norm`` and return the global norm before clipping."""
+        max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
+        norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        if norm is None and self.deepspeed:
+            # Older accelerate returns nothing under DeepSpeed; the engine clipped
+            # during its step and kept the norm.
+            norm = self.model.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def _instability(self, loss: float, grad_norm: float) -> str | None:
+        if not math.isfinite(loss):
+            return "non-finite loss"
+        # With fp16 the gradient scaler owns overflowing gradients (it skips the step).
+        if not math.isfinite(grad_norm) and self.acc.mixed_precision != "fp16":
+            return "non-finite gradient norm"
+        rb, recent = self.cfg.rollback, self.state.recent_losses
+        if rb.spike_factor > 0 and len(recent) >= rb.spike_window:
+            mean = sum(recent) / len(recent)
+            if loss > rb.spike_factor * mean:
+                return f"loss spike {loss:.4g} > {rb.spike_factor} x recent mean {mean:.4g}"
+        return None
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        return save_checkpoint(self.acc, self.ckpt_root, self.state.step, self.cfg.keep_checkpoints)
+
+    def _load(self, path: Path) -> None:
+        self.acc.load_state(str(path))
+        self._apply_lr_scale()
+
+    def _apply_lr_scale(self) -> None:
+        """Base learning rates follow the rollback scale; the current lr is recomputed from them."""
+        self.scheduler.base_lrs = [self.cfg.lr * self.state.lr_scale for _ in self.optimizer.param_groups]
+        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * fn(self.scheduler.last_epoch)
+
+    def resume(self) -> bool:
+        """Load the newest complete checkpoint under ``OUT/checkpoints``, if any."""
+        path = latest_checkpoint(self.ckpt_root)
+        if path is None:
+            return False
+        self._load(path)
+        self.metrics.write({"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name})
+        self.acc.print(f"resumed from {path} at step {self.state.step}")
+        return True
+
+    def rollback(self, reason: str, batch_index: int, loss: float, grad_norm: float) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        failed_step = self.state.step + 1
+        rollbacks = self.state.rollbacks + 1
+        lr_scale = self.state.lr_scale * self.cfg.rollback.lr_factor
+        event = {"type": "event", "event": "rollback", "step": failed_step, "batch_index": batch_index,
+                 "reason": reason, "loss": loss if math.isfinite(loss) else None,
+                 "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "rollbacks": rollbacks}
+        if rollbacks > self.cfg.rollback.max_rollbacks:
+            self.metrics.write({**event, "event": "diverged"})
+            raise TrainingDiverged(
+                f"training diverged at step {failed_step} ({reason}) after {rollbacks - 1} rollbacks "
+                f"(rollback.max_rollbacks={self.cfg.rollback.max_rollbacks}); lower lr or inspect the data "
+                f"around batch {batch_index}")
+        path = latest_checkpoint(self.ckpt_root)
+        self.acc.load_state(str(path))
+        # Counters that must survive the reload: the rollback itself, and the data
+        # position, which moves past the offending batch instead of replaying it.
+        self.state.rollbacks, self.state.lr_scale = rollbacks, lr_scale
+        self.state.batch_index = batch_index + 1
+        self._apply_lr_scale()
+        event.update(checkpoint=path.name, resumed_step=self.state.step, lr_scale=lr_scale)
+        self.metrics.write(event)
+        self.acc.print(f"rollback {rollbacks}: {reason} at step {failed_step}; back to {path.name}, "
+                       f"lr x{lr_scale:.3g}, skipping to batch {self.state.batch_index}")
+
+    # ------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self.eval_batches_fn is None:
+            return {}
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.acc.device, dtype=torch.float64)
+        count = torch.zeros((), device=self.acc.device, dtype=torch.float64)
+        for batch in self.eval_batches_fn(self.rank, self.world):
+            batch = {k: v.to(self.acc.device) for k, v in batch.items()}
+            loss, n = self.loss_fn(self.model, batch)
+            loss_sum += loss.double() * n
+            count += n
+        loss_sum, count = self.acc.reduce(loss_sum, "sum"), self.acc.reduce(count, "sum")
+        val_loss = (loss_sum / count.clamp(min=1)).item()
+        out = {"val_loss": val_loss, **(self.eval_extra(val_loss) if self.eval_extra else {})}
+        self.metrics.write({"type": "eval", "step": self.state.step, **out})
+        self.last_eval = out
+        return out
+
+    # ------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``max_steps`` (resuming if a checkpoint exists); returns a summary."""
+        cfg = self.cfg
+        if self.peak_flops is None and self.flops_per_token:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.acc.mixed_precision, torch.float32)
+            self.peak_flops = measure_peak_flops(self.acc.device, dtype, seconds=0.3)
+        if not self.resume():
+            # Step 0 checkpoint: the first rollback needs something to return to.
+            self.save_checkpoint()
+            self.metrics.write({"type": "event", "event": "start", "step": 0, "world_size": self.world,
+                                "tokens_per_step": self.tokens_per_step, "peak_flops": self.peak_flops})
+        t_start, tokens_start, step_times = time.perf_counter(), self.state.tokens_seen, []
+        while self.state.step < cfg.max_steps:
+            rec = self.train_step()
+            if rec is None:
+                continue
+            step_times.append(rec["step_time"])
+            step = self.state.step
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                self.metrics.write(rec)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.max_steps:
+                self.evaluate()
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+                self.save_checkpoint()
+        final_eval = self.evaluate()
+        wall = time.perf_counter() - t_start
+        # Steady-state throughput: median step time, so start-up and evaluation
+        # pauses do not count against it.
+        med = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
+        tps = self.tokens_per_step / med if step_times else float("nan")
+        summary = {"steps": self.state.step, "tokens": self.state.tokens_seen, "tokens_per_second": tps,
+                   "wall_seconds": wall, "tokens_this_run": self.state.tokens_seen - tokens_start,
+                   "rollbacks": self.state.rollbacks, "world_size": self.world,
+                   "threads_per_process": torch.get_num_threads(), "device": str(self.acc.device),
+                   "final_train_loss": self.state.recent_losses[-1] if self.state.recent_losses else None,
+                   **final_eval}
+        if self.flops_per_token and self.peak_flops:
+            summary["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world)
+            summary["peak_flops_per_device"] = self.peak_flops
+            summary["flops_per_token"] = self.flops_per_token
+        summary["peak_memory_mb"] = peak_memory_mb(self.acc.device)
+        return summary
