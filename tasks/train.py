@@ -9,7 +9,6 @@ folder, and registers the model with lineage tags.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,60 +21,11 @@ from prefect.cache_policies import NO_CACHE
 from crawl2chat.infra.mlflow_datasets import dataset_entity, file_dataset
 from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
 from crawl2chat.infra.records import log_record, plot_curves
+from crawl2chat.infra.run_folders import DONE_FILE, input_identity, link_latest, recorded_run, run_folder
 from crawl2chat.infra.tracking import stage_run
+from crawl2chat.infra.training_records import MetricsFollower, log_model_folder
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, read_failure, script_argv
-
-
-class MetricsFollower:
-    """Logs new complete lines of a training run's ``metrics.jsonl`` to the active MLflow run.
-
-    After a resume or a rollback a step can appear twice; MLflow keeps both
-    points, and the later one is the one the run continued from.
-    """
-
-    KEYS = ("loss", "lr", "grad_norm", "tokens_per_second", "mfu", "val_loss", "val_bpb",
-            "reward_mean", "kl", "clip_fraction", "entropy", "value_loss", "response_length",
-            "accuracy", "eval_accuracy", "eval_reward_accuracy", "kl_coef", "eos_rate", "policy_loss",
-            "approx_kl", "value_clip_fraction", "reward_accuracy", "chosen_reward", "rejected_reward")
-
-    def __init__(self, path: Path, run_id: str):
-        self.path = path
-        self.run_id = run_id
-        self.offset = 0
-        self.client = mlflow.MlflowClient()
-        self.events: list[dict] = []
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, encoding="utf-8") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        complete, _, _ = chunk.rpartition("\n")
-        if not complete:
-            return
-        self.offset += len(complete.encode("utf-8")) + 1
-        metrics = []
-        from mlflow.entities import Metric
-        import time
-
-        now = int(time.time() * 1000)
-        for line in complete.splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("type") == "event":
-                self.events.append(row)
-                continue
-            step = int(row.get("step", 0))
-            for key in self.KEYS:
-                value = row.get(key)
-                if isinstance(value, (int, float)) and value == value:  # skip NaN
-                    metrics.append(Metric(key, float(value), now, step))
-        for i in range(0, len(metrics), 900):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + 900])
 
 
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
@@ -147,27 +97,6 @@ def _progress_printer(stage: str, follower: MetricsFollower | None, every: int =
     return on_line
 
 
-def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | None) -> str | None:
-    """Log the Hugging Face folder as run artifacts and register it; returns the model URI."""
-    mlflow.log_artifacts(str(model_dir), artifact_path="model")
-    run_id = mlflow.active_run().info.run_id
-    uri = f"runs:/{run_id}/model"
-    if not registered_name:
-        return uri
-    # The folder is a plain Hugging Face model (safetensors), not an MLflow flavour,
-    # so the version is created from its artifact location directly.
-    client = mlflow.MlflowClient()
-    try:
-        client.get_registered_model(registered_name)
-    except mlflow.exceptions.MlflowException:
-        client.create_registered_model(registered_name, description="crawl2chat model (Hugging Face format)")
-    version = client.create_model_version(registered_name, source=mlflow.get_artifact_uri("model"), run_id=run_id,
-                                          tags={"format": "huggingface"})
-    if alias:
-        client.set_registered_model_alias(registered_name, alias, version.version)
-    return f"models:/{registered_name}/{version.version}"
-
-
 def held_out_documents(data: str, val_fraction: float = 0.1, limit: int = 200) -> list[str]:
     """Documents of a shards folder outside the training split (the packing's id-hash
     rule); a corpus too small to have any falls back to its last documents."""
@@ -202,81 +131,6 @@ def evaluate_causal_lm(model_dir: str, eval_data: str | None, chat: bool, val_fr
 
     texts = held_out_documents(eval_data, val_fraction) if eval_data else None
     return evaluate_model(model_dir, texts, mc_tasks=50 if texts else 0, max_tokens=50_000, chat=chat)
-
-
-def input_identity(path: str) -> str:
-    """What a stage input is, independent of where it lies: a dataset version by its
-    content digest, a model folder by the key of the run that made it (else by its
-    files), a data file by its sha256."""
-    from crawl2chat.infra.mlflow_datasets import file_digest
-
-    from crawl2chat.stages.data.versions import read_manifest
-
-    p = Path(path).resolve()
-    if p.is_dir():
-        manifest = read_manifest(p)
-        if manifest:
-            return manifest.get("content_digest", "")
-        run_file = p.parent / RUN_FILE
-        if run_file.exists():
-            return "run:" + json.loads(run_file.read_text())["key"]
-        digest = hashlib.sha256()
-        for f in sorted(p.glob("*")):
-            if f.is_file() and f.suffix in (".safetensors", ".json"):
-                digest.update(f.name.encode() + b"\0" + file_digest(f).encode())
-        return "files:" + digest.hexdigest()
-    return "sha256:" + file_digest(p)
-
-
-RUN_FILE = "run.json"  # in a run folder: the stage, its key, inputs and settings
-DONE_FILE = "summary.json"  # in a finished run folder: the summary and its MLflow run
-
-
-def run_folder(out: str | Path, stage: str, inputs: dict[str, str], identities: dict[str, str],
-               settings: dict[str, Any]) -> Path:
-    """``OUT/<key>``: the run folder of this stage on these inputs (by their
-    :func:`input_identity`) with these settings.
-
-    Changed data or settings give a new key, so a new run starts beside the old
-    one; the same key resumes (or, finished, reuses) the run. ``OUT/model`` links
-    to the newest finished run's model.
-    """
-    key = hashlib.sha256(json.dumps([stage, identities, settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
-    run_dir = Path(out).resolve() / key
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / RUN_FILE).exists():
-        payload = {"stage": stage, "key": key, "inputs": inputs, "identities": identities, "settings": settings}
-        tmp = run_dir / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps(payload, indent=2, default=str))
-        os.replace(tmp, run_dir / RUN_FILE)
-    return run_dir
-
-
-def link_latest(out: str | Path, run_dir: Path) -> None:
-    """Point ``OUT/model`` (and ``OUT/latest``) at a finished run, atomically."""
-    for name, target in (("latest", run_dir.name), ("model", f"{run_dir.name}/model")):
-        link = Path(out) / name
-        if link.exists() and not link.is_symlink():
-            continue  # a folder a user put there is left alone
-        tmp = Path(out) / f".{name}.link-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        os.symlink(target, tmp)
-        os.replace(tmp, link)
-
-
-def recorded_run(run_dir: Path) -> dict | None:
-    """The summary of a run folder already trained and recorded in this tracking store."""
-    try:
-        done = json.loads((run_dir / DONE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if done.get("tracking_uri") != mlflow.get_tracking_uri():
-        return None
-    try:
-        mlflow.MlflowClient().get_run(done["run_id"])
-    except Exception:  # noqa: BLE001 - a run deleted from the store is recorded again
-        return None
-    return done
 
 
 def log_data_inputs(inputs: dict[str, str], identities: dict[str, str]) -> None:
