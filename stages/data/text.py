@@ -49,6 +49,7 @@ _MARKS = _combining_mark_class()
 _RUN = rf"[^\W{_UNSPACED}]+(?:[{_MARKS}]+[^\W{_UNSPACED}]*)*"
 _WORD_RE = re.compile(rf"[{_UNSPACED}]|{_RUN}(?:['’\-]{_RUN})*", re.UNICODE)
 _UNSPACED_RE = re.compile(rf"[{_UNSPACED}]")
+_SPACE_RE = re.compile(r"\s+")
 
 UNSPACED_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "km", "my", "bo", "wuu", "yue"})
 
@@ -60,7 +61,7 @@ def split_words(text: str) -> list[str]:
 
 def unspaced_fraction(text: str) -> float:
     """Share of non-space characters that belong to scripts written without spaces."""
-    chars = sum(1 for c in text if not c.isspace())
+    chars = len(text) - sum(map(len, _SPACE_RE.findall(text)))
     if not chars:
         return 0.0
     return len(_UNSPACED_RE.findall(text)) / chars
