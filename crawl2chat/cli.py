@@ -49,14 +49,8 @@ def data(
                          "data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.stages.data.pipeline import NothingUsableError
 
-    try:
-        manifest = data_flow(cfg)
-    except NothingUsableError as e:
-        _fail(str(e))
-    except FileNotFoundError as e:
-        _fail(str(e))
+    manifest = _guarded(lambda: data_flow(cfg))
     out_dir = Path(cfg.data.out).resolve()
     typer.echo(
         f"\n{manifest['version']}: {manifest['documents_kept']} documents ({manifest['version_documents_kept']} new), "
@@ -106,7 +100,7 @@ def _guarded(body):
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
     except (NothingUsableError, FileNotFoundError) as e:
-        _fail(str(e))
+        _fail(str(e), 2)
     except SettingsError as e:
         _fail(str(e), 2)
 
