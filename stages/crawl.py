@@ -760,7 +760,7 @@ class Crawler:
         self.allowed_content_types = {t.lower() for t in cfg.allowed_content_types}
         self.robots_agent = cfg.user_agent.split("/", 1)[0].strip() or cfg.user_agent
         # Origin fetched -> origin recorded, and back (site_aliases).
-        self.aliases = dict(cfg.site_aliases)
+        self.aliases = {parse_origin(k): parse_origin(v) for k, v in cfg.site_aliases.items()}
         self.unaliases = {recorded: fetched for fetched, recorded in self.aliases.items()}
         self.old_state: dict[str, dict[str, Any]] = {}
         self.state: dict[str, dict[str, Any]] = {}
