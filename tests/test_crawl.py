@@ -9,7 +9,10 @@ import hashlib
 import io
 import json
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -847,3 +850,108 @@ def test_redirect_to_an_already_fetched_page_is_not_fetched_again(tmp_path):
     assert server.paths() == ["/", "/landing", "/old-address"]
     assert result.pages_fetched == 2
     assert result.skipped == {"redirect_seen": 1}
+
+
+# ----------------------------------------------------------------------------- a killed crawl
+
+
+KILLABLE_CRAWL = """
+import sys
+from crawl2chat.stages.crawl import CrawlConfig, crawl
+crawl(CrawlConfig.model_validate_json(sys.argv[1]), sys.argv[2])
+"""
+
+
+def test_killed_crawl_loses_no_page(tmp_path):
+    """SIGKILL mid-crawl, then the same crawl again: every page's text is in a response record."""
+    texts = {f"/p{i}": f"Page {i} carries the marker token{i:04d}z." for i in range(100)}
+
+    async def home(request: web.Request) -> web.Response:
+        return html(*texts)
+
+    async def page(request: web.Request) -> web.Response:
+        return html(text=f"<p>{texts[request.path]}</p>")
+
+    routes = [web.get("/", home), web.get("/p{n:\\d+}", page)]
+    out_dir = tmp_path / "crawl"
+    with LocalServer(routes) as server:
+        cfg = quick_config(
+            server.url + "/", respect_robots=False, per_host_concurrency=1, per_host_delay_s=0.02,
+            checkpoint_pages=10, max_pages=1000,
+        )
+        proc = subprocess.Popen([sys.executable, "-c", KILLABLE_CRAWL, cfg.model_dump_json(), str(out_dir)])
+        try:
+            deadline = time.monotonic() + 90
+            while len(server.requests) < 60 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == -signal.SIGKILL, "the crawl ended before it could be killed"
+        killed_at = len(server.requests)
+        committed = json.loads((out_dir / "crawl_state.json").read_text())
+        assert 50 <= len(committed) <= killed_at <= 101  # checkpoints every 10 pages; pages since then unsaved
+        rerun = crawl(cfg, out_dir)
+
+    responses: dict[str, bytes] = {}
+    for path in sorted((out_dir / "warc").glob("*.warc.gz")):
+        with open(path, "rb") as fh:
+            for record in ArchiveIterator(fh):
+                if record.rec_type == "response":
+                    responses[record.rec_headers.get_header("WARC-Target-URI")] = record.content_stream().read()
+    for path, text in texts.items():
+        assert text.encode() in responses.get(server.url + path, b""), path
+    assert rerun.pages_fetched == 101
+    # Pages the killed crawl had committed are unchanged revisits; the others are stored now.
+    assert sorted(rerun.changed_urls) == sorted(set(responses) - set(committed))
+    assert not [p for p in out_dir.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_crawl_that_got_nothing_is_not_marked_done(tmp_path):
+    """The data stage's crawl task: a site that is down leaves no done marker, so the next run crawls again."""
+    import mlflow
+
+    from crawl2chat.tasks.data import CRAWL_MARKER, crawl_task
+
+    with LocalServer([]) as server:
+        dead_url = server.url + "/"
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        cfg = quick_config(dead_url)
+        assert crawl_task.fn(cfg, str(tmp_path / "out")) == []
+        assert not (tmp_path / "out" / "crawl" / CRAWL_MARKER).exists()
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+# ----------------------------------------------------------------------------- the embedded site's identity
+
+
+def test_embedded_site_keeps_its_identity_between_crawls(tmp_path):
+    """Re-crawls of the pydoc site into one folder find every page unchanged, even when its port was taken."""
+    identity = tmp_path / "crawl" / PydocSite.IDENTITY_FILE
+    out_dir = tmp_path / "crawl"
+
+    def crawl_site() -> tuple[PydocSite, CrawlResult]:
+        with PydocSite(identity_file=identity) as site:
+            cfg = quick_config(site.url, max_pages=12, site_aliases=site.aliases)
+            return site, crawl(cfg, out_dir)
+
+    first_site, first = crawl_site()
+    assert first.pages_fetched == 12 and len(first.changed_urls) == 12
+    second_site, second = crawl_site()
+    assert second_site.url == first_site.url and second_site.aliases == {}  # the same port, free again
+    port = int(first_site.url.rsplit(":", 1)[1].strip("/"))
+    with socket.socket() as squatter:  # another program on the recorded port
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port may still be in TIME_WAIT
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        third_site, third = crawl_site()
+    assert third_site.url != first_site.url and third_site.site_url == first_site.url
+    for again in (second, third):
+        assert again.pages_fetched == 12 and again.changed_urls == []
+        records = warc_records(again)
+        # Recorded under the stable address: revisits of the first crawl's captures, no new text.
+        assert sorted(uri for kind, uri, _, _ in records if kind == "revisit") == sorted(first.changed_urls)
+    state = json.loads((out_dir / "crawl_state.json").read_text())
+    assert set(state) == set(first.changed_urls)
