@@ -106,10 +106,18 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
         if crawl_cfg.seed_urls:
             result = crawl(crawl_cfg, crawl_dir)
         else:
-            with PydocSite() as site:
+            # The site keeps its address (or, when that port is taken, its recorded
+            # identity through site_aliases) between runs, so a refresh finds its pages unchanged.
+            with PydocSite(identity_file=crawl_dir / PydocSite.IDENTITY_FILE) as site:
                 # The documentation server runs on this machine for this job alone:
                 # no politeness gap is owed to it.
-                cfg = crawl_cfg.model_copy(update={"seed_urls": [site.url], "per_host_delay_s": 0.0})
+                cfg = crawl_cfg.model_copy(
+                    update={
+                        "seed_urls": [site.url],
+                        "per_host_delay_s": 0.0,
+                        "site_aliases": {**crawl_cfg.site_aliases, **site.aliases},
+                    }
+                )
                 print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)
                 result = crawl(cfg, crawl_dir)
         report = result.to_dict()
@@ -124,9 +132,13 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
         mlflow.log_dict(report, "crawl_report.json")
         print(f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
               f"{len(result.warc_paths)} WARC files", flush=True)
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time()}))
-    os.replace(tmp, marker)
+    if result.pages_fetched + result.pages_not_modified == 0:
+        # Nothing answered (a site down, robots.txt unreachable): not done, the next run crawls again.
+        print(f"[data] crawl    got no page ({dict(result.skipped)}); not marked done", flush=True)
+    else:
+        tmp = marker.with_name(marker.name + ".tmp")
+        tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time()}))
+        os.replace(tmp, marker)
     # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
     return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from crawl2chat.stages.data.urls import domain_entry_text, parse_domain_entry, parse_origin
 from crawl2chat.stages.data.text import NO_TERMINAL_PUNCTUATION_LANGUAGES, TERMINAL_PUNCTUATION
 
 
@@ -24,7 +25,10 @@ class CrawlConfig(BaseModel):
     seed_urls: list[str] = Field(default_factory=list, description="Start URLs (depth 0).")
     allowed_domains: list[str] = Field(
         default_factory=list,
-        description="Host names the crawl may visit (subdomains included). Empty means the hosts of the seeds.",
+        description="Widens the crawl beyond the seeds' origins (scheme, host and port). An entry 'example.org' "
+        "admits that host and its subdomains on the default ports (80, 443); 'example.org:8080' (or "
+        "'[::1]:8080') admits them on that port. Non-public addresses these hosts resolve to at the start are "
+        "admitted too.",
     )
     max_depth: int = Field(default=3, ge=0, description="Links followed away from a seed; seeds are depth 0.")
     max_pages: int = Field(default=200, ge=1, description="Pages fetched (200 or 304) before the crawl stops.")
@@ -34,18 +38,36 @@ class CrawlConfig(BaseModel):
     max_page_bytes: int = Field(
         default=5 * 1024 * 1024,
         ge=1,
-        description="Largest body stored; bigger bodies are cut off, counted as too_large and not stored.",
+        description="Largest body stored, as sent and after undoing its Content-Encoding; reading stops as "
+        "soon as either is exceeded, and the page is counted as too_large and not stored.",
     )
-    per_host_concurrency: int = Field(default=2, ge=1, description="Requests in flight to one host at a time.")
+    per_host_concurrency: int = Field(
+        default=2, ge=1, description="Requests in flight to one host (all its schemes and ports) at a time."
+    )
     per_host_delay_s: float = Field(
         default=0.5,
         ge=0,
-        description="Polite gap between request starts to one host, and after each answer; "
-        "a larger robots.txt Crawl-delay (whole seconds, as urllib.robotparser reads it) wins.",
+        description="Polite gap between request starts to one host (all its schemes and ports), and after "
+        "each answer; a larger robots.txt Crawl-delay wins.",
     )
     global_concurrency: int = Field(default=16, ge=1, description="Requests in flight over all hosts.")
     request_timeout_s: float = Field(default=20.0, gt=0, description="Whole-request timeout (connect + body).")
     max_redirects: int = Field(default=5, ge=0, description="Redirect hops followed before counting redirect_limit.")
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries of a request answered 429 or 503, each after the answer's Retry-After (seconds or "
+        "an HTTP date) or, without one, after retry_backoff_s doubled per retry; the whole host waits too.",
+    )
+    retry_backoff_s: float = Field(
+        default=1.0, ge=0, description="Wait before the first retry when a 429/503 answer has no usable Retry-After."
+    )
+    max_retry_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Longest wait honoured before a retry; an answer asking for more is given up on "
+        "(counted as http_429 / http_503) after the host has waited this long.",
+    )
     allowed_content_types: list[str] = Field(
         default_factory=lambda: ["text/html", "application/xhtml+xml", "text/plain"],
         description="MIME types stored; other answers are counted as content_type and not downloaded.",
@@ -58,10 +80,32 @@ class CrawlConfig(BaseModel):
     warc_max_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="A WARC file is closed and a new one started past this size."
     )
+    checkpoint_pages: int = Field(
+        default=50,
+        ge=1,
+        description="Pages between checkpoints: the WARC file in progress is closed under its final name and "
+        "crawl_state.json saved, so a killed crawl fetches at most this many pages again and loses none.",
+    )
     incremental: bool = Field(
         default=True,
         description="Send If-None-Match / If-Modified-Since from crawl_state.json of an earlier crawl into out_dir.",
     )
+    site_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Origin -> stable origin ('http://127.0.0.1:PORT' -> 'http://127.0.0.1:OLDPORT'): pages of "
+        "the first are fetched there but recorded (WARC target URIs, crawl_state.json, changed_urls) under the "
+        "second, so a site that moved to another port keeps its identity and its re-crawls stay incremental.",
+    )
+
+    @field_validator("allowed_domains")
+    @classmethod
+    def _check_domains(cls, entries: list[str]) -> list[str]:
+        return [domain_entry_text(*parse_domain_entry(e)) for e in entries]
+
+    @field_validator("site_aliases")
+    @classmethod
+    def _check_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
+        return {parse_origin(k): parse_origin(v) for k, v in aliases.items()}
 
 
 # ---------------------------------------------------------------- extract
