@@ -116,6 +116,9 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
                         "seed_urls": [site.url],
                         "per_host_delay_s": 0.0,
                         "site_aliases": {**crawl_cfg.site_aliases, **site.aliases},
+                        # Test suites, IDE internals and codec tables are slow to render and
+                        # teach little; a user's own patterns replace these.
+                        "exclude_url_patterns": crawl_cfg.exclude_url_patterns or list(PydocSite.LOW_VALUE_PAGES),
                     }
                 )
                 print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)

@@ -52,6 +52,7 @@ import json
 import os
 import socket
 import time
+import re
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -95,7 +96,7 @@ RETRY_STATUSES = frozenset({429, 503})
 # Reasons that are policy decisions rather than failures; they are counted but
 # not listed in ``CrawlResult.errors``.
 POLICY_SKIPS = frozenset(
-    {"robots", "off_domain", "depth", "max_pages", "max_total_bytes", "content_type", "redirect_seen"}
+    {"robots", "off_domain", "excluded", "depth", "max_pages", "max_total_bytes", "content_type", "redirect_seen"}
 )
 
 
@@ -595,6 +596,7 @@ class Crawler:
         self.warc = RotatingWarcWriter(self.out_dir / WARC_SUBDIR, cfg.warc_max_bytes, cfg.user_agent)
         self.seeds = [u for u in (normalize_url(s) for s in cfg.seed_urls) if u]
         self.scope = CrawlScope(self.seeds, cfg.allowed_domains)
+        self.excluded = re.compile("|".join(f"(?:{p})" for p in cfg.exclude_url_patterns)) if cfg.exclude_url_patterns else None
         self.policy = AddressPolicy()  # replaced in run(), once the seed hosts are resolved
 
     # -- bookkeeping --------------------------------------------------------
@@ -658,6 +660,10 @@ class Crawler:
         if not self.scope.allows(url):
             self.off_domain_urls.add(url)
             self._skip(url, "off_domain")
+            return
+        if self.excluded is not None and self.excluded.search(url):
+            self.off_domain_urls.add(url)
+            self._skip(url, "excluded")
             return
         if depth > self.cfg.max_depth:
             if url not in self.too_deep_urls:

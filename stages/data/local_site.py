@@ -33,14 +33,11 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlsplit
 
+from crawl2chat.stages.data.urls import site_key
+
 _READY_LINE = re.compile(r"Server ready at (http://\S+/)")
 # The readiness probe goes straight to 127.0.0.1, whatever proxy the environment names.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def _origin(url: str) -> str:
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 class PydocSite:
@@ -51,6 +48,12 @@ class PydocSite:
     ``.site_url`` is that root and ``.aliases`` maps ``.url``'s origin to it
     when the two differ.
     """
+
+    # Pages of the embedded crawl that are slow to build and poor training text: the
+    # standard library's own test suite, IDLE and turtle demos, lib2to3's fixers,
+    # one page per codec, pydoc's data tables and source listings.
+    LOW_VALUE_PAGES = (r"/test(\.|/|$)", r"/idlelib", r"/turtledemo", r"/lib2to3", r"/encodings\.",
+                       r"/pydoc_data", r"/ensurepip", r"getfile\?")
 
     IDENTITY_FILE = "local_site.json"
 
@@ -65,9 +68,9 @@ class PydocSite:
     @property
     def aliases(self) -> dict[str, str]:
         """{origin served now: recorded origin} when the recorded port was taken, else {}."""
-        if not self.site_url or _origin(self.site_url) == _origin(self.url):
+        if not self.site_url or site_key(self.site_url) == site_key(self.url):
             return {}
-        return {_origin(self.url): _origin(self.site_url)}
+        return {site_key(self.url): site_key(self.site_url)}
 
     def _recorded_url(self) -> str | None:
         if self.identity_file is None:

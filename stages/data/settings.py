@@ -7,6 +7,7 @@ model forbids unknown fields; every field takes effect in its step.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -68,6 +69,11 @@ class CrawlConfig(BaseModel):
         description="Longest wait honoured before a retry; an answer asking for more is given up on "
         "(counted as http_429 / http_503) after the host has waited this long.",
     )
+    exclude_url_patterns: list[str] = Field(
+        default_factory=list,
+        description="Regular expressions; a URL any of them matches (re.search) is not fetched and is counted "
+        "as excluded. E.g. '/test\\.' keeps a documentation crawl out of a test suite's pages.",
+    )
     allowed_content_types: list[str] = Field(
         default_factory=lambda: ["text/html", "application/xhtml+xml", "text/plain"],
         description="MIME types stored; other answers are counted as content_type and not downloaded.",
@@ -101,6 +107,16 @@ class CrawlConfig(BaseModel):
     @classmethod
     def _check_domains(cls, entries: list[str]) -> list[str]:
         return [domain_entry_text(*parse_domain_entry(e)) for e in entries]
+
+    @field_validator("exclude_url_patterns")
+    @classmethod
+    def _check_patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression: {e}") from None
+        return patterns
 
     @field_validator("site_aliases")
     @classmethod
