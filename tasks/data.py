@@ -182,7 +182,16 @@ def langid_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
 
 @_step_task("quality")
 def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    return _recorded_step("quality", {"quality": cfg.model_dump()}, lambda: steps.quality_step(upstream, work_dir, cfg))
+    def log_classifier(result: StepResult) -> None:
+        """The fastText classifier used (given, trained or reused) and, when trained, its accuracy."""
+        if "classifier" in result.extra:
+            mlflow.set_tags({"crawl2chat.quality_classifier": result.extra["classifier"],
+                             "crawl2chat.quality_classifier_model": result.extra["model"]})
+            mlflow.log_metrics({f"classifier.{k}": float(v) for k, v in result.extra.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+    return _recorded_step("quality", {"quality": cfg.model_dump()},
+                          lambda: steps.quality_step(upstream, work_dir, cfg), log_classifier)
 
 
 @_step_task("dedup")

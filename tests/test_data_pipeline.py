@@ -110,3 +110,38 @@ def test_nothing_usable_fails_with_one_sentence(shared_data, ray_local, tmp_path
         run_all(cfg, files, tmp_path)
     message = str(err.value)
     assert message.endswith(".") and "\n" not in message
+
+
+def test_quality_step_filters_with_a_plain_fasttext_classifier_on_ray(pipeline_run, tmp_path):
+    """A classifier from plain ``fasttext.train_supervised`` runs in the quality step on Ray workers;
+    replacing the model file reruns the step."""
+    import fasttext
+
+    from crawl2chat.stages.data.fasttext_models import to_line
+    from crawl2chat.stages.data.settings import QualityClassifierConfig
+
+    cfg, _, _, results, _ = pipeline_run
+    identified = results[1]
+    table = pq.read_table(sorted(Path(identified.out_dir).glob("*.parquet")), columns=["text", "lang", "drop_reason"])
+    rows = [r for r in table.to_pylist() if r["drop_reason"] is None and r["text"]]
+    lines = [f"__label__{'keep' if r['lang'] == 'en' else 'other'} {to_line(r['text'], 'whitespace', 2000)}"
+             for r in rows]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    model = tmp_path / "english.bin"
+    fasttext.train_supervised(input=str(tmp_path / "train.txt"), epoch=20, dim=16, bucket=10_000,
+                              thread=1, verbose=0).save_model(str(model))
+
+    quality = cfg.data.quality.model_copy(update={"classifier": QualityClassifierConfig(
+        enabled=True, model=str(model), label="__label__keep", preprocess="whitespace", max_chars=2000)})
+    work = str(tmp_path / "work")
+    result = steps.quality_step(identified, work, quality)
+    assert result.extra["classifier"] == "given" and result.dropped.get("quality_classifier:below_threshold")
+    kept = pq.read_table(sorted(Path(result.out_dir).glob("*.parquet")),
+                         columns=["lang", "quality_score", "drop_reason"]).to_pylist()
+    kept = [r for r in kept if r["drop_reason"] is None]
+    assert kept and all(r["quality_score"] >= 0.5 for r in kept)
+    assert sum(r["lang"] == "en" for r in kept) >= 0.9 * len(kept)
+
+    assert steps.quality_step(identified, work, quality).skipped
+    model.write_bytes(model.read_bytes())  # same bytes, new file identity (size, mtime)
+    assert not steps.quality_step(identified, work, quality).skipped

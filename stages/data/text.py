@@ -50,6 +50,8 @@ _RUN = rf"[^\W{_UNSPACED}]+(?:[{_MARKS}]+[^\W{_UNSPACED}]*)*"
 _WORD_RE = re.compile(rf"[{_UNSPACED}]|{_RUN}(?:['’\-]{_RUN})*", re.UNICODE)
 _UNSPACED_RE = re.compile(rf"[{_UNSPACED}]")
 _SPACE_RE = re.compile(r"\s+")
+# Words as above, or a run of punctuation/symbols ("!!!", "$$$", ">>>", "|").
+_TOKEN_RE = re.compile(rf"{_WORD_RE.pattern}|[^\w\s]+", re.UNICODE)
 
 UNSPACED_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "km", "my", "bo", "wuu", "yue"})
 
@@ -57,6 +59,14 @@ UNSPACED_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "km", "my", "bo", "wuu",
 def split_words(text: str) -> list[str]:
     """Words of ``text``: runs of letters/digits, each unspaced-script character on its own."""
     return _WORD_RE.findall(text)
+
+
+def split_tokens(text: str) -> list[str]:
+    """:func:`split_words` plus runs of punctuation and symbols as tokens of their own.
+
+    A classifier that judges pages (spam, navigation bars) needs "!!!" and "|" as much as the words.
+    """
+    return _TOKEN_RE.findall(text)
 
 
 def unspaced_fraction(text: str) -> float:
