@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from crawl2chat.stages.settings import Config
+from crawl2chat.stages.settings import Config, apply_profile
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks import data as t
 
@@ -37,7 +37,12 @@ def run_data_pipeline(config: Config) -> dict:
     earlier version; otherwise every input file is read into a new chain. A
     build whose inputs and settings equal the current version's does nothing.
     """
-    data = config.data
+    embedded_site = not (config.data.inputs or config.data.seed_urls or config.data.crawl.seed_urls)
+    data, changed = apply_profile(config.data, embedded_site)
+    config = config.model_copy(update={"data": data})
+    if changed:
+        print(f"[data] rule profile '{data.profile}': {len(changed)} settings relaxed for documentation pages "
+              "(listed in review.md)", flush=True)
     out = str(Path(data.out).resolve())
     files = t.list_inputs(data.inputs)
     if data.seed_urls or not data.inputs:

@@ -42,3 +42,8 @@ def test_unreadable_or_invalid_yaml_is_a_config_error(tmp_path):
     bad.write_text("data: [unclosed\n")
     with pytest.raises(SettingsError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_an_override_can_switch_a_rule_off_with_null():
+    cfg = load_config(overrides=dict([parse_override("data.quality.c4.min_sentences=null")]))
+    assert cfg.data.quality.c4.min_sentences is None
