@@ -1,6 +1,6 @@
 """Prefect tasks of the training stages: prepare on the host, launch under Accelerate, record.
 
-A training stage runs as ``accelerate launch -m crawl2chat.stages.<stage>`` in a
+A training stage runs as ``accelerate launch -m crawl2chat.stages.training.<stage>`` in a
 subprocess (one process, DDP or FSDP as configured), so the distributed job owns
 its processes while this task streams its log, follows ``OUT/metrics.jsonl`` into
 MLflow as it grows, and at the end logs the summary, the Hugging Face model
