@@ -18,11 +18,12 @@ CONFIG_OPT = typer.Option(None, "--config", "-c", help="YAML configuration file.
 SET_OPT = typer.Option(None, "--set", help="Override a config field: KEY.PATH=VALUE (repeatable).")
 
 
-def _load(config: Optional[Path], overrides: dict, sets: Optional[list[str]]):
+def _load(config: Optional[Path], overrides: dict, sets: Optional[list[str]], preset: dict | None = None):
     from crawl2chat.stages.settings import SettingsError, load_config, parse_override
 
     try:
-        merged = dict(parse_override(s) for s in (sets or []))
+        merged = dict(preset or {})
+        merged.update(parse_override(s) for s in (sets or []))
         merged.update({k: v for k, v in overrides.items() if v not in (None, [], ())})
         return load_config(config, merged)
     except SettingsError as e:
@@ -152,11 +153,22 @@ for _name in STAGES:
 @app.command()
 def run(
     refresh: bool = typer.Option(False, "--refresh", help="Add only new/changed pages to the existing dataset."),
+    preset: str = typer.Option("default", "--preset", help="Size of the run: default (minutes on a laptop), "
+                               "large (hours on CPU, minutes on a GPU), gpu (a 124M model)."),
     config: Optional[Path] = CONFIG_OPT,
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
-    """The main job, end to end on the embedded default (local Ray, Prefect, MLflow)."""
-    cfg = _load(config, {"data.refresh": True if refresh else None}, set_)
+    """The main job, end to end on the embedded default (local Ray, Prefect, MLflow).
+
+    Example: crawl2chat run            (then: crawl2chat chat --model runs/ppo/model)
+    """
+    from crawl2chat.stages.settings import RUN_PRESETS
+
+    if preset not in RUN_PRESETS:
+        _fail(f"--preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}", 2)
+    expected, overlay = RUN_PRESETS[preset]
+    cfg = _load(config, {"data.refresh": True if refresh else None}, set_, overlay)
+    typer.echo(f"crawl2chat run --preset {preset}: expect {expected}.")
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.pipeline import pipeline_flow
 
