@@ -57,7 +57,7 @@ def run_data_pipeline(config: Config) -> dict:
     extracted = t.extract_task(plan.files, work, data.extract)
     identified = t.langid_task(extracted, work, data.langid)
     filtered = t.quality_task(identified, work, data.quality)
-    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index)
+    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards)
     balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"))
     manifest = t.write_task(
         [extracted, identified, filtered, deduped, balanced], out, data.shard_bytes, config.model_dump(mode="json"),

@@ -195,7 +195,8 @@ def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
 
 
 @_step_task("dedup")
-def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str]) -> StepResult:
+def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str],
+               previous_shards: Sequence[str] = ()) -> StepResult:
     def log_stats(result: StepResult) -> None:
         stats = result.extra.get("dedup", {})
         mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
@@ -203,8 +204,10 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
                                                      key=lambda kv: int(kv[0]))}
         plot_bars(sizes, "dedup: clusters by size", "dedup_cluster_sizes.png")
 
-    return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index)},
-                          lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index), log_stats)
+    return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index),
+                                    "previous_shards": len(previous_shards)},
+                          lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index, previous_shards),
+                          log_stats)
 
 
 @_step_task("balance")

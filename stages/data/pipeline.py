@@ -345,17 +345,26 @@ def quality_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
 
 
 def dedup_step(
-    upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str] = ()
+    upstream: StepResult,
+    work_dir: str,
+    cfg: Any,
+    previous_index: Sequence[str] = (),
+    previous_shards: Sequence[str] = (),
 ) -> StepResult:
+    """Drop repeated records (an id read twice, or already in ``previous_shards``:
+    the shards of the versions a refresh extends), then exact and near
+    duplicates, also of the documents in the ``previous_index`` folders."""
     from crawl2chat.stages.data.dedup import dedup
 
-    fp = fingerprint("dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index))
+    fp = fingerprint(
+        "dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index), files_fingerprint(previous_shards)
+    )
 
     def build(tmp: str) -> dict[str, Any]:
         if upstream.kept == 0:
             return {}
         index_dir = os.path.join(tmp, "_index_work")
-        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index))
+        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index), list(previous_shards))
         ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
         _write(ds, tmp)
         # The persisted index sits beside the step output, outside the Parquet glob.
