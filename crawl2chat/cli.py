@@ -181,9 +181,8 @@ def run(
         f" in {data_out / 'shards'}; review.md, rejected/ beside it)",
         f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})",
         f"  SFT model:    {result['sft']['model_dir']}",
-        f"  reward model: {result['reward']['model_dir']}  (eval_accuracy {result['reward'].get('eval_accuracy', float('nan')):.3f})",
-        f"  PPO policy:   {result['ppo']['model_dir']}  (reward {result['ppo'].get('reward_mean_first', float('nan')):.3f}"
-        f" -> {result['ppo'].get('reward_mean_last', float('nan')):.3f})",
+        f"  reward model: {result['reward']['model_dir']}  ({STAGES['reward'].report(result['reward'])})",
+        f"  PPO policy:   {result['ppo']['model_dir']}  ({STAGES['ppo'].report(result['ppo'])})",
     ]
     if "dpo" in result:
         lines.append(f"  DPO policy:   {result['dpo']['model_dir']}")

@@ -236,7 +236,7 @@ class PPOStage(TrainStage):
     prompts: str | None = Field(None, description="Prompts for rollouts; None: derived from the data stage's shards.")
     train: PPOConfig = Field(default_factory=lambda: PPOConfig(
         max_steps=12, rollout_batch_size=8, micro_batch_size=8, ppo_epochs=2, max_prompt_len=96, max_new_tokens=24,
-        lr=1e-4, seq_len=128))
+        lr=1e-4))
 
 
 class DPOStage(TrainStage):
