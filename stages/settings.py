@@ -185,7 +185,7 @@ def _demo_pretrain() -> PretrainConfig:
     # Sized for the embedded default: ~5 MB of documentation text (~1.3M tokens) and a
     # 2-core laptop: a 1.4M-parameter model sees ~1.6M tokens in about 2.5 minutes.
     return PretrainConfig(preset="cpu-small", vocab_size=4096, seq_len=256, micro_batch_size=16, max_steps=400,
-                          lr=2e-3, min_lr=2e-4, warmup_steps=40, eval_every=100, eval_batches=20,
+                          warmup_steps=40, eval_every=100, eval_batches=20,
                           checkpoint_every=100, val_fraction=0.05)
 
 
