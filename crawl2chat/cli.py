@@ -50,10 +50,11 @@ def data(
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.data import data_flow
     from crawl2chat.stages.data.pipeline import NothingUsableError
+    from crawl2chat.stages.locks import FolderBusy
 
     try:
         manifest = data_flow(cfg)
-    except NothingUsableError as e:
+    except (NothingUsableError, FolderBusy) as e:
         _fail(str(e))
     except FileNotFoundError as e:
         _fail(str(e))
@@ -96,6 +97,7 @@ def _guarded(body):
     """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence)
     ends in one sentence and exit status 2, the full trace being in the run's log."""
     from crawl2chat.stages.data.pipeline import NothingUsableError
+    from crawl2chat.stages.locks import FolderBusy
     from crawl2chat.stages.settings import SettingsError
     from crawl2chat.tasks.train import StageFailed
 
@@ -105,7 +107,7 @@ def _guarded(body):
         if not e.permanent:
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
-    except (NothingUsableError, FileNotFoundError) as e:
+    except (NothingUsableError, FileNotFoundError, FolderBusy) as e:
         _fail(str(e))
     except SettingsError as e:
         _fail(str(e), 2)
