@@ -167,6 +167,70 @@ def same_weights(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+# ---------------------------------------------------------------- the tiny runs drilled by the tests and the benchmark
+
+WORDS = ("the king queen night day sword crown river stone bright dark speak answer gentle noble "
+         "fool heart blood honour tomorrow love death war peace lord lady").split()
+
+# A tiny model, 32-token windows, a checkpoint every 10 of 40 steps.
+PRETRAIN = ["preset=tiny", "seq_len=32", "micro_batch_size=4", "lr=3e-3", "min_lr=3e-4", "warmup_steps=5",
+            "eval_batches=2", "val_fraction=0.1", "eval_every=0", "checkpoint_every=10", "keep_checkpoints=2"]
+PRETRAIN_STEPS = 40
+SFT = ["seq_len=64", "micro_batch_size=4", "lr=1e-3", "min_lr=1e-4", "warmup_steps=2", "eval_every=0",
+       "eval_batches=2", "checkpoint_every=10", "keep_checkpoints=2"]
+SFT_STEPS = 30
+
+
+def text_lines(n_lines: int, seed: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(n_lines)) + "\n"
+
+
+def tiny_inputs(root: str | os.PathLike) -> dict:
+    """A small corpus with its tokenizer and a small SFT set under ``root``."""
+    import random
+
+    from crawl2chat.stages.training.pretrain import prepare_data
+    from crawl2chat.stages.training.settings import PretrainConfig
+
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    text = root / "corpus.txt"
+    text.write_text(text_lines(3000, 0))
+    tok_dir, _ = prepare_data(PretrainConfig(vocab_size=300, val_fraction=0.1), text, root / "prep")
+    rng = random.Random(1)
+    rows = []
+    for _ in range(120):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6)))
+        rows.append({"prompt": prompt, "response": " ".join(reversed(prompt.split()))})
+    sft_data = root / "sft.jsonl"
+    sft_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"text": str(text), "tokenizer": str(tok_dir), "sft": str(sft_data)}
+
+
+def pretrain_spec(inputs: dict, out: str | os.PathLike) -> dict:
+    return {"stage": "pretrain", "inputs": {"data": inputs["text"]}, "out": str(out), "max_steps": PRETRAIN_STEPS,
+            "overrides": [*PRETRAIN, f"tokenizer={inputs['tokenizer']}"]}
+
+
+def sft_spec(inputs: dict, base: str | os.PathLike, out: str | os.PathLike) -> dict:
+    return {"stage": "sft", "inputs": {"base": str(base), "data": inputs["sft"]}, "out": str(out),
+            "max_steps": SFT_STEPS, "overrides": SFT}
+
+
+def seeded_points(seed: int, max_steps: int, checkpoint_every: int) -> list[KillPoint]:
+    """One kill of each target at a seeded step, and one of the owner during a save."""
+    import random
+
+    rng = random.Random(seed)
+    lo, hi = checkpoint_every + 2, max_steps - 5
+    return [KillPoint("owner", rng.randint(lo, hi)), KillPoint("rank", rng.randint(lo, hi)),
+            KillPoint("launcher", rng.randint(lo, hi)),
+            KillPoint("owner", rng.randint(checkpoint_every, max_steps - checkpoint_every - 1), during_save=True)]
+
+
 if __name__ == "__main__":
     from crawl2chat.tasks.train import launch_training
 

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 
 import pytest
 
-from crawl2chat.infra.fault_drill import KillPoint, kill_at, rerun, same_weights
+from crawl2chat.infra.fault_drill import (PRETRAIN_STEPS, SFT_STEPS, KillPoint, kill_at, pretrain_spec, rerun,
+                                          same_weights, sft_spec)
 from crawl2chat.infra.launch import accelerate_command
 from crawl2chat.stages.locks import FolderBusy
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.stage import script_argv
 from crawl2chat.stages.training.trainer import read_metrics
 from crawl2chat.tasks.train import launch_training
-
-from fault_runs import PRETRAIN_STEPS, SFT_STEPS, copy_run, pretrain_spec, sft_spec
 
 _rng = random.Random(20251203)
 PRETRAIN_POINTS = [KillPoint("owner", _rng.randint(12, 35)), KillPoint("rank", _rng.randint(12, 35)),
@@ -96,7 +96,8 @@ def test_damaged_final_model_is_trained_again(fault_root, corpus, pretrain_refer
     """A finished run whose saved safetensors was altered is not taken as finished: the
     rerun names the file, trains the last steps again and writes the same weights."""
     spec = pretrain_spec(corpus, fault_root / "pretrain-damaged-model")
-    out = copy_run(pretrain_reference, fault_root / spec["out"])
+    out = fault_root / spec["out"]
+    shutil.copytree(pretrain_reference, out, symlinks=True)
     weights = out / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF

@@ -12,14 +12,13 @@ import json
 import pytest
 import torch
 
+from crawl2chat.infra.fault_drill import PRETRAIN
 from crawl2chat.stages.checksums import CHECKSUMS, folder_damage, write_checksums
 from crawl2chat.stages.settings import load_settings, parse_overrides
 from crawl2chat.stages.training.models import build_model, model_config
 from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.training.trainer import ROLLBACK_FILE, Trainer, make_accelerator, read_metrics
-
-from fault_runs import PRETRAIN
 
 
 class Crash(RuntimeError):
