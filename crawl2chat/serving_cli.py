@@ -63,8 +63,13 @@ def export_command(
     _check_model(model)
     _check_quantize(quantize)
     from crawl2chat.stages.inference.export import REPORT, export_model
+    from crawl2chat.stages.locks import FolderBusy
 
-    report = export_model(model, out, quantize=quantize, data=data, compile_check=compile_check)
+    try:
+        report = export_model(model, out, quantize=quantize, data=data, compile_check=compile_check)
+    except FolderBusy as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
     r = report["reload"]
     typer.echo(f"exported to {report['out']}\n  reload: max |logit diff| {r['max_abs_logit_diff']:.2e}, "
                f"stop tokens {r['eos_token_id']}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.settings import Config, apply_profile
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks import data as t
@@ -36,6 +37,9 @@ def run_data_pipeline(config: Config) -> dict:
     through the steps (a re-crawl's new WARC files), deduplicated against every
     earlier version; otherwise every input file is read into a new chain. A
     build whose inputs and settings equal the current version's does nothing.
+    The folder is held for the whole build
+    (:func:`~crawl2chat.stages.locks.hold_folder`): a second build of it is
+    refused with the holder's pid.
     """
     embedded_site = not (config.data.inputs or config.data.seed_urls or config.data.crawl.seed_urls)
     data, changed = apply_profile(config.data, embedded_site)
@@ -44,6 +48,12 @@ def run_data_pipeline(config: Config) -> dict:
         print(f"[data] rule profile '{data.profile}': {len(changed)} settings relaxed for documentation pages "
               "(listed in review.md)", flush=True)
     out = str(Path(data.out).resolve())
+    with hold_folder(out):  # one build at a time per data folder
+        return _build(config, out)
+
+
+def _build(config: Config, out: str) -> dict:
+    data = config.data
     files = t.list_inputs(data.inputs)
     if data.seed_urls or not data.inputs:
         crawl_cfg = data.crawl.model_copy(update={"seed_urls": data.seed_urls or data.crawl.seed_urls})

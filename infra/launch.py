@@ -22,6 +22,9 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from crawl2chat.stages.lifetime import (HAVE_PDEATHSIG, OWNER_ENV, descendants, die_with_parent_preexec,
+                                       terminate_tree)
+
 CONFIG_DIR = Path(__file__).resolve().parent / "accelerate"
 
 
@@ -97,19 +100,31 @@ def _free_port() -> int:
 
 
 def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
-                  on_line: Callable[[str], None] | None = None, tail_lines: int = 60, cwd: str | None = None) -> int:
+                  on_line: Callable[[str], None] | None = None, tail_lines: int = 60, cwd: str | None = None,
+                  grace_seconds: float = 10.0) -> int:
     """Run ``cmd``, passing each output line (stdout and stderr merged) to ``on_line``
     and appending it to ``log_path``. Returns 0; raises :class:`LaunchError` with the
-    last ``tail_lines`` lines otherwise. ``env`` is added to this process's environment."""
-    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    last ``tail_lines`` lines otherwise. ``env`` is added to this process's environment.
+
+    The command never outlives this process: it runs in a process group of its
+    own, with a parent-death signal (SIGKILL, on Linux) tied to the calling
+    thread, and its pid passed down as the owner of the job
+    (:mod:`crawl2chat.stages.lifetime`); a rank that arms its own signal late finds
+    the owner gone and exits. When this call is interrupted (Ctrl-C, SIGTERM
+    turned into an exception, a cancelled task) the whole tree gets SIGTERM, then
+    SIGKILL after ``grace_seconds``."""
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", OWNER_ENV: str(os.getpid())}
     tail: deque[str] = deque(maxlen=tail_lines)
     log = None
     if log_path is not None:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "a", encoding="utf-8")
     try:
+        # A new session: Ctrl-C in a terminal reaches this process only, which then
+        # stops the job in order; the group id is the child's pid.
         proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, errors="replace", start_new_session=True)
+                                text=True, bufsize=1, errors="replace", start_new_session=True,
+                                preexec_fn=die_with_parent_preexec() if HAVE_PDEATHSIG else None)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -122,13 +137,10 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: s
                     on_line(line)
             rc = proc.wait()
         except BaseException:
-            # Interrupted (Ctrl-C, a cancelled task): take the whole process group down with us.
-            import signal
-
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            # Interrupted: take the launcher and every rank down with us, ranks that
+            # left the process group included.
+            tree = [p for p in (_as_process(proc.pid), *descendants(proc.pid)) if p is not None]
+            terminate_tree(proc.pid, tree, grace=grace_seconds)
             proc.wait()
             raise
     finally:
@@ -137,3 +149,12 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: s
     if rc != 0:
         raise LaunchError(cmd, rc, "\n".join(tail), Path(log_path) if log_path else None)
     return rc
+
+
+def _as_process(pid: int):
+    import psutil
+
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None

@@ -6,6 +6,11 @@ server most single-machine runs do not want). With ``RAY_ADDRESS`` (for example
 ``ray://head:10001`` or ``127.0.0.1:6379``) the same code runs on the cluster;
 every node needs crawl2chat installed (the compose image has it), since the
 functions the steps ship to workers import it there.
+
+A local instance never outlives the process that started it, however that
+process dies (SIGKILL included): Ray ties its own processes to the driver, and
+the agents under the raylet learn of its death through a pipe
+(``tests/faults/test_process_tree.py`` kills a driver and waits for all of them).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         else:
             # "local": a new instance, never a cluster some earlier `ray start` left on this machine.
             kwargs.update(address="local", include_dashboard=False, num_cpus=num_cpus)
+            # The local instance lives and dies with this process: Ray binds its GCS and
+            # raylet to it (a parent-death signal); the raylet's agents are told of the
+            # raylet's death through a pipe instead of noticing it by polling.
+            os.environ.setdefault("RAY_enable_pipe_based_agent_to_parent_health_check", "1")
         ray.init(**kwargs)
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()

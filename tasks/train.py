@@ -27,7 +27,8 @@ from crawl2chat.infra.run_folders import DONE_FILE, input_identity, link_latest,
 from crawl2chat.infra.tracking import stage_run
 from crawl2chat.infra.training_records import MetricsFollower, log_model_folder
 from crawl2chat.stages.training.registry import STAGES
-from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, read_failure, script_argv
+from crawl2chat.stages.locks import hold_folder
+from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, model_damage, read_failure, script_argv
 
 
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
@@ -63,7 +64,16 @@ def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_ste
                     env: dict[str, str] | None = None) -> int:
     """Run the training stage ``stage`` (see the registry) under ``accelerate launch``;
     a stage that prepares on the host (pretraining's tokenizer and packing, on Ray)
-    does that first. Raises :class:`StageFailed` with the kind the script reported."""
+    does that first. Raises :class:`StageFailed` with the kind the script reported,
+    and :class:`~crawl2chat.stages.locks.FolderBusy` naming the holder's pid when
+    another process is writing ``out``."""
+    with hold_folder(out):  # one writer per run folder (re-entrant: record_training holds it already)
+        return _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
+                                on_line, env)
+
+
+def _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
+                     on_line, env) -> int:
     import importlib
 
     spec = STAGES[stage]
@@ -162,13 +172,24 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
 
     ``inputs`` (role -> path) are logged as parameters (with ``params``) and key
     the run folder (:func:`run_folder`): a re-triggered pipeline finds its
-    finished stages and reuses them.
+    finished stages and reuses them (unless the model's files fail their
+    checksums). The run folder is held (:func:`hold_folder`) throughout.
     """
-    import yaml
-
     identities = {role: input_identity(path) for role, path in sorted(inputs.items()) if path}
     run_dir = run_folder(out, stage, inputs, identities, settings)
+    with hold_folder(run_dir):  # one writer per run folder, from the reuse check to the done marker
+        return _record_training(stage, out, run_dir, settings, launch, inputs, identities, lineage, registered_name,
+                                extra_artifacts, evaluate, params)
+
+
+def _record_training(stage, out, run_dir, settings, launch, inputs, identities, lineage, registered_name,
+                     extra_artifacts, evaluate, params) -> dict:
+    import yaml
+
     done = recorded_run(run_dir)
+    if done and (damage := model_damage(run_dir / "model")):
+        print(f"[{stage}] {damage}; training again", flush=True)
+        done = None
     if done:
         link_latest(out, run_dir)
         print(f"[{stage}] already trained on these inputs with these settings: {done['model_dir']} "

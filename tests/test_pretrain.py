@@ -22,7 +22,7 @@ from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, pr
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.settings import load_settings, parse_overrides
 from crawl2chat.stages.training.registry import STAGES
-from crawl2chat.tasks.train import launch_training
+from crawl2chat.tasks.train import StageFailed, launch_training
 from crawl2chat.stages.training.trainer import Trainer, build_optimizer, build_scheduler, make_accelerator, read_metrics
 from crawl2chat.stages.training.settings import TrainConfig
 
@@ -187,10 +187,11 @@ def test_injected_nan_rolls_back_and_finishes(shared):
 
 
 def test_repeated_nans_fail_with_clear_message(shared):
-    with pytest.raises(LaunchError) as err:
+    with pytest.raises(StageFailed) as err:
         train(shared, "diverge", "checkpoint_every=10", "eval_every=0", "inject_nan_at_batches=[3,4,5]",
               "rollback.max_rollbacks=2", max_steps=20)
-    assert "TrainingDiverged" in err.value.tail and "after 2 rollbacks" in err.value.tail
+    assert err.value.kind == "diverged" and "after 2 rollbacks in a row" in err.value.message
+    assert "TrainingDiverged" in err.value.__cause__.tail
     events = [r["event"] for r in read_metrics(shared["root"] / "diverge" / "metrics.jsonl") if r["type"] == "event"]
     assert events.count("rollback") == 2 and events[-1] == "diverged"
 

@@ -38,6 +38,8 @@ import torch
 
 from crawl2chat.stages.inference.generation import (SERVING_FILE, SamplingParams, load_model, quantize_int8, stop_token_ids,
                                           stream_tokens)
+from crawl2chat.stages.checksums import CHECKSUMS, write_checksums
+from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.training.tokenizer import CHAT_TEMPLATE
 
 REPORT = "export_report.json"
@@ -153,14 +155,21 @@ def export_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quant
                  data=None, max_new_tokens: int = 256, compile_check: bool = False) -> dict:
     """Copy ``model_dir`` to ``out_dir`` ready for serving engines, verify the
     reload, and (``quantize="int8"``) measure int8 against fp32. Returns the
-    report, also written to ``out_dir/export_report.json``."""
+    report, also written to ``out_dir/export_report.json``. ``out_dir`` is held
+    for the export (a second export into it is refused naming the holder's pid)
+    and gets ``checksums.json`` for its files last."""
     src, out = Path(model_dir), Path(out_dir)
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"{src} is not a model folder (no config.json)")
+    with hold_folder(out):  # one export at a time into a folder
+        return _export(src, out, quantize, data, max_new_tokens, compile_check)
+
+
+def _export(src: Path, out: Path, quantize: str | None, data, max_new_tokens: int, compile_check: bool) -> dict:
     if out.resolve() != src.resolve():
         if out.exists():
             shutil.rmtree(out)
-        shutil.copytree(src, out, ignore=shutil.ignore_patterns(REPORT, SERVING_FILE))
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns(REPORT, SERVING_FILE, CHECKSUMS))
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -180,4 +189,5 @@ def export_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quant
     (out / SERVING_FILE).write_text(json.dumps(serving, indent=2) + "\n")
     report["serving"] = serving
     (out / REPORT).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_checksums(out)
     return report

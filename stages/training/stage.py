@@ -13,7 +13,12 @@ Each stage (:mod:`~crawl2chat.stages.training.pretrain`, ``sft``, ``reward``,
   atomically (:func:`save_model`) and ``OUT/metrics.json``;
 * the failure report (:func:`run_script`): a failing script writes
   ``OUT/failure.json`` naming the kind of failure, so whoever launched it decides
-  from that, not from its log, whether a second attempt can help.
+  from that, not from its log, whether a second attempt can help;
+* its place in the process tree and the run folder (:func:`run_script`): the
+  script dies with the process that launched it
+  (:func:`crawl2chat.stages.lifetime.die_with_parent`), and rank 0 holds the run
+  folder's lock (:mod:`crawl2chat.stages.locks`) for as long as it runs; a second
+  writer exits with status 4 naming the holder's pid and writes nothing there.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from typing import Any
 
 import yaml
 
+from crawl2chat.stages.checksums import folder_damage, write_checksums
+from crawl2chat.stages.lifetime import die_with_parent
+from crawl2chat.stages.locks import FolderBusy, acquire
 from crawl2chat.stages.settings import SettingsError, load_settings, parse_overrides
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES
@@ -42,7 +50,8 @@ FAILURE_FILE = "failure.json"
 BAD_INPUT = "bad_input"  # settings, data or a missing file: the user must change something
 DIVERGED = "diverged"  # training diverged after every rollback
 TRANSIENT = "transient"  # anything else (a lost peer, a killed process): a rerun resumes from the checkpoint
-EXIT_CODES = {BAD_INPUT: 2, DIVERGED: 3, TRANSIENT: 1}
+BUSY = "busy"  # another process is writing the run folder (reported on stderr only: the folder is not ours)
+EXIT_CODES = {BAD_INPUT: 2, DIVERGED: 3, TRANSIENT: 1, BUSY: 4}
 
 
 def failure_kind(error: BaseException) -> str:
@@ -75,8 +84,15 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) 
     print the traceback and then one plain sentence, and exit with the kind's status
     (2: bad input, 3: diverged, 1: transient)."""
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()
     out = _out_arg(argv)
-    if out is not None:
+    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+        try:
+            # Held until the process exits: one writer per run folder.
+            acquire(out)
+        except FolderBusy as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_CODES[BUSY])
         (out / FAILURE_FILE).unlink(missing_ok=True)
     try:
         main(argv)
@@ -191,12 +207,23 @@ def finished_summary(out: Path, max_steps: int) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     if summary.get("steps", 0) >= max_steps and (out / "model" / "config.json").exists():
+        damage = model_damage(out / "model")
+        if damage:
+            print(f"{damage}: training the last steps again from the newest checkpoint", flush=True)
+            return None
         return summary
     return None
 
 
+def model_damage(model_dir: Path) -> str | None:
+    """None for a model folder whose files match the checksums written with them,
+    else a sentence naming the damaged file."""
+    return folder_damage(model_dir)
+
+
 def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
-    """Weights, config and tokenizer side by side in the Hugging Face layout."""
+    """Weights, config and tokenizer side by side in the Hugging Face layout, with
+    ``checksums.json`` (sizes and sha256) written last, before the folder is renamed in."""
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.use_cache = True
@@ -208,5 +235,6 @@ def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
     for name in TOKENIZER_FILES:
         if (tok_dir / name).exists():
             shutil.copy2(tok_dir / name, tmp / name)
+    write_checksums(tmp)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)

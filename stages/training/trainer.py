@@ -20,8 +20,11 @@ A stage supplies a model, a ``batch_fn`` that returns the micro-batch for a
 * rollback: a non-finite loss or gradient norm, or a loss spike beyond
   ``spike_factor`` x the recent mean, reloads the last good checkpoint, skips
   the batches since it up to and including the offending one, scales the
-  learning rate by ``lr_factor`` and records the event; after
-  ``max_rollbacks`` the run fails with :class:`TrainingDiverged`;
+  learning rate by ``lr_factor`` and records the event, in
+  ``OUT/checkpoints/rollback.json`` at once (a run killed before its next
+  checkpoint resumes with the lowered rate, past the bad batch); failures in a
+  row go further back each time, past a checkpoint that keeps failing, and after
+  ``max_rollbacks`` of them in a row the run fails with :class:`TrainingDiverged`;
 * metrics as JSON lines in ``OUT/metrics.jsonl`` (rank 0 only), which the
   orchestration layer tails into MLflow. This module imports neither Prefect
   nor MLflow.
@@ -32,9 +35,11 @@ windows from a generator seeded with ``(seed, index)``). Saving the index is
 then all a checkpoint needs to resume the data stream, and skipping batches
 after a rollback is advancing it.
 
-Checkpoints are written to ``OUT/checkpoints/step_XXXXXXXX.tmp`` and renamed
-when every rank has finished, so a run killed mid-save never leaves a
-half-written checkpoint that a resume would pick. Directories are named by
+Checkpoints are written to ``OUT/checkpoints/step_XXXXXXXX.tmp``, listed with
+their sizes and sha256 in ``checksums.json`` and renamed when every rank has
+finished, so a run killed mid-save never leaves a half-written checkpoint that a
+resume would pick, and one damaged later (truncated, altered) is found before it
+is loaded: the resume names the file and falls back to the previous checkpoint. Directories are named by
 step explicitly instead of through accelerate's automatic naming, whose
 counter ``load_state`` does not restore (the next save would collide).
 """
@@ -54,10 +59,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.training.models import is_checkpointing
 from crawl2chat.stages.training.settings import LoopConfig, TrainConfig
 
 CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")
+ROLLBACK_FILE = "rollback.json"  # in OUT/checkpoints: the newest rollback, written when it happens
 
 
 # ---------------------------------------------------------------- configuration
@@ -172,6 +179,8 @@ class TrainState:
     lr_scale: float = 1.0  # product of rollback lr factors so far
     rollbacks: int = 0
     recent_losses: list[float] = field(default_factory=list)
+    consecutive_rollbacks: int = 0  # rollbacks since training last got past a failed step
+    failed_step: int = 0  # the furthest step that failed in the current run of rollbacks
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,18 +194,53 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+def checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Every complete checkpoint folder under ``root``, oldest first (unverified)."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name))
-    return steps[-1] if steps else None
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name))
+
+
+def good_checkpoints(root: str | os.PathLike, exclude: Iterable[str] = (), main: bool = False,
+                     report: Callable[[str], None] | None = None) -> list[Path]:
+    """The checkpoints under ``root`` whose files match their checksums, newest first.
+
+    A damaged one (a file truncated, missing or altered since it was written) is
+    reported by name through ``report`` and, by the ``main`` process, renamed to
+    ``step_XXXXXXXX.damaged`` so that no later resume considers it; ``exclude``
+    names checkpoints to pass over (discarded by a rollback)."""
+    good = []
+    for path in reversed(checkpoints(root)):
+        if path.name in exclude:
+            continue
+        damage = folder_damage(path)
+        if damage is None:
+            good.append(path)
+            continue
+        if report:
+            report(f"checkpoint {path.name} is damaged ({damage}); falling back to an older one")
+        if main:
+            try:
+                os.replace(path, path.with_name(path.name + ".damaged"))
+            except OSError:
+                pass
+    return good
+
+
+def latest_checkpoint(root: str | os.PathLike, main: bool = False,
+                      report: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` that passes its checksums (see :func:`good_checkpoints`)."""
+    for path in good_checkpoints(root, main=main, report=report):
+        return path
+    return None
 
 
 def save_checkpoint(acc, root: Path, step: int, keep: int) -> Path:
     """``acc.save_state`` (models, optimizers, registered objects, RNG states) into
-    ``root/step_XXXXXXXX``: written under a ``.tmp`` name and renamed, so a resume
-    never picks a half-written checkpoint; only the newest ``keep`` are kept."""
+    ``root/step_XXXXXXXX``: written under a ``.tmp`` name, listed with sizes and
+    sha256 in ``checksums.json`` and renamed, so a resume never picks a half-written
+    checkpoint and detects one damaged since; only the newest ``keep`` are kept."""
     final = Path(root) / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if acc.is_main_process:
@@ -206,6 +250,7 @@ def save_checkpoint(acc, root: Path, step: int, keep: int) -> Path:
     acc.save_state(str(tmp), safe_serialization=True)
     acc.wait_for_everyone()
     if acc.is_main_process:
+        write_checksums(tmp)  # every rank's files are complete: sizes and sha256, checked before a resume
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         kept = sorted(p for p in Path(root).iterdir() if CHECKPOINT_RE.match(p.name))
@@ -419,41 +464,128 @@ class Trainer:
         for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * fn(self.scheduler.last_epoch)
 
+    def _report(self, message: str) -> None:
+        self.acc.print(message)
+        self.metrics.write({"type": "event", "event": "damaged_checkpoint", "message": message})
+
+    def _read_rollback_record(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.ckpt_root / ROLLBACK_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            self.acc.print(f"{self.ckpt_root / ROLLBACK_FILE} is unreadable ({type(e).__name__}); ignored")
+            return None
+
+    def _write_rollback_record(self, record: dict[str, Any]) -> None:
+        """The rollback's outcome, on disk before training goes on: a run killed before
+        its next checkpoint resumes with the lowered lr and past the bad batch."""
+        if not self.acc.is_main_process:
+            return
+        tmp = self.ckpt_root / f".{ROLLBACK_FILE}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.ckpt_root / ROLLBACK_FILE)
+
+    def _discard(self, names: Iterable[str]) -> None:
+        """Checkpoints a rollback fell back past: renamed aside (by the main process)."""
+        if not self.acc.is_main_process:
+            return
+        for name in names:
+            path = self.ckpt_root / name
+            if path.is_dir():
+                aside = path.with_name(path.name + ".discarded")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(path, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+
+    def _apply_rollback_record(self, record: dict[str, Any]) -> None:
+        s = self.state
+        s.rollbacks, s.lr_scale = record["rollbacks"], record["lr_scale"]
+        s.consecutive_rollbacks, s.failed_step = record["consecutive_rollbacks"], record["failed_step"]
+        s.batch_index = record["batch_index"]
+        self._apply_lr_scale()
+
     def resume(self) -> bool:
-        """Load the newest complete checkpoint under ``OUT/checkpoints``, if any."""
-        path = latest_checkpoint(self.ckpt_root)
-        if path is None:
+        """Load the newest checkpoint under ``OUT/checkpoints`` that passes its checksums,
+        if any; a rollback recorded after that checkpoint (``rollback.json``) is applied
+        again (lr scale, rollback counts, data position past the bad batch)."""
+        record = self._read_rollback_record()
+        discarded = set(record.get("discard", [])) if record else set()
+        if discarded:  # a rollback killed between its record and the discarding
+            self._discard(discarded)
+            self._write_rollback_record({**record, "discard": []})
+        candidates = good_checkpoints(self.ckpt_root, exclude=discarded, main=self.acc.is_main_process,
+                                      report=self._report)
+        self.acc.wait_for_everyone()
+        if not candidates:
             return False
+        path = candidates[0]
         self._load(path)
-        self.metrics.write({"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name})
-        self.acc.print(f"resumed from {path} at step {self.state.step}")
+        event = {"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name}
+        if record and self.state.step <= record["step"]:
+            self._apply_rollback_record(record)
+            event.update(rollbacks=self.state.rollbacks, lr_scale=self.state.lr_scale,
+                         batch_index=self.state.batch_index)
+        self.metrics.write(event)
+        self.acc.print(f"resumed from {path} at step {self.state.step}"
+                       + (f" (after rollback {self.state.rollbacks}: lr x{self.state.lr_scale:.3g}, "
+                          f"batch {self.state.batch_index})" if "lr_scale" in event else ""))
         return True
 
     def rollback(self, reason: str, batch_index: int, loss: float, grad_norm: float) -> None:
+        """Back to a good checkpoint with a lower learning rate, past the offending batch.
+
+        Failures in a row (no step past the furthest failed one in between) count
+        towards ``max_rollbacks``; the n-th in a row goes n-1 checkpoints further
+        back than the newest, discarding the ones it passes, so a checkpoint that
+        keeps failing is left behind. The outcome is written to
+        ``OUT/checkpoints/rollback.json`` at once."""
         self.optimizer.zero_grad(set_to_none=True)
-        failed_step = self.state.step + 1
-        rollbacks = self.state.rollbacks + 1
-        lr_scale = self.state.lr_scale * self.cfg.rollback.lr_factor
+        s = self.state
+        failed_step = s.step + 1
+        in_a_row = s.consecutive_rollbacks > 0 and s.step < s.failed_step
+        consecutive = s.consecutive_rollbacks + 1 if in_a_row else 1
+        furthest = max(s.failed_step, failed_step) if in_a_row else failed_step
+        rollbacks = s.rollbacks + 1
+        lr_scale = s.lr_scale * self.cfg.rollback.lr_factor
         event = {"type": "event", "event": "rollback", "step": failed_step, "batch_index": batch_index,
                  "reason": reason, "loss": loss if math.isfinite(loss) else None,
-                 "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "rollbacks": rollbacks}
-        if rollbacks > self.cfg.rollback.max_rollbacks:
+                 "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "rollbacks": rollbacks,
+                 "consecutive_rollbacks": consecutive}
+        if consecutive > self.cfg.rollback.max_rollbacks:
             self.metrics.write({**event, "event": "diverged"})
             raise TrainingDiverged(
-                f"training diverged at step {failed_step} ({reason}) after {rollbacks - 1} rollbacks "
+                f"training diverged at step {failed_step} ({reason}) after {consecutive - 1} rollbacks in a row "
                 f"(rollback.max_rollbacks={self.cfg.rollback.max_rollbacks}); lower lr or inspect the data "
                 f"around batch {batch_index}")
-        path = latest_checkpoint(self.ckpt_root)
+        candidates = good_checkpoints(self.ckpt_root, main=self.acc.is_main_process, report=self._report)
+        if not candidates:
+            raise RuntimeError(f"no intact checkpoint under {self.ckpt_root} to roll back to")
+        back = min(consecutive - 1, len(candidates) - 1)
+        path, passed = candidates[back], [p.name for p in candidates[:back]]
         self.acc.load_state(str(path))
         # Counters that must survive the reload: the rollback itself, and the data
         # position, which moves past the offending batch instead of replaying it.
-        self.state.rollbacks, self.state.lr_scale = rollbacks, lr_scale
-        self.state.batch_index = batch_index + 1
-        self._apply_lr_scale()
-        event.update(checkpoint=path.name, resumed_step=self.state.step, lr_scale=lr_scale)
+        record = {"checkpoint": path.name, "step": self.state.step, "batch_index": batch_index + 1,
+                  "lr_scale": lr_scale, "rollbacks": rollbacks, "consecutive_rollbacks": consecutive,
+                  "failed_step": furthest, "discard": passed, "reason": reason}
+        self.acc.wait_for_everyone()
+        self._write_rollback_record(record)
+        if passed:
+            # Discarded, then forgotten: a checkpoint saved later under the same name is a new one.
+            self._discard(passed)
+            self._write_rollback_record({**record, "discard": []})
+        self.acc.wait_for_everyone()
+        self._apply_rollback_record(record)
+        event.update(checkpoint=path.name, resumed_step=self.state.step, lr_scale=lr_scale,
+                     discarded=passed)
         self.metrics.write(event)
-        self.acc.print(f"rollback {rollbacks}: {reason} at step {failed_step}; back to {path.name}, "
-                       f"lr x{lr_scale:.3g}, skipping to batch {self.state.batch_index}")
+        self.acc.print(f"rollback {rollbacks} ({consecutive} in a row): {reason} at step {failed_step}; back to "
+                       f"{path.name}{f' past {passed}' if passed else ''}, lr x{lr_scale:.3g}, "
+                       f"skipping to batch {self.state.batch_index}")
 
     # ------------------------------------------------------------ evaluation
 

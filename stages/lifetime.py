@@ -1,0 +1,136 @@
+"""Processes that never outlive whoever started them.
+
+A training launch is a chain: the command or Prefect task (the *owner*) starts
+``accelerate launch``, which starts one process per rank. Killing the owner
+with any signal, SIGKILL included, must take the whole chain with it, or the
+ranks go on writing checkpoints into a folder a rerun is about to use.
+
+On Linux every link of the chain asks the kernel for a *parent-death signal*
+(``prctl(PR_SET_PDEATHSIG)``): the launcher is started with one
+(:func:`die_with_parent_preexec`, run between ``fork`` and ``exec``), and each
+rank sets its own as its script starts (:func:`die_with_parent`, called by
+``stage.run_script``). When a parent dies its child gets SIGKILL, that child's
+children get theirs, and so on down the tree.
+
+The kernel sends the signal when the *thread* that created the child exits,
+not the process. The owner therefore starts and waits for the launcher from
+one thread (``infra.launch.run_streaming`` blocks in it until the launcher has
+exited), so a Prefect worker thread that finishes early cannot kill a healthy
+run, and a thread that dies with its process kills the run as it should.
+
+A rank that set its signal after its parent had already died would never get
+one; the owner's pid is therefore passed down in ``CRAWL2CHAT_OWNER_PID`` and a
+rank whose ancestors no longer include it exits at once.
+
+Elsewhere (macOS) there is no parent-death signal: only the process-group
+handling of ``run_streaming`` applies (Ctrl-C, SIGTERM of the owner's task).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+
+OWNER_ENV = "CRAWL2CHAT_OWNER_PID"  # the pid of the process a launched job belongs to
+_PR_SET_PDEATHSIG = 1
+
+_prctl = None
+if sys.platform.startswith("linux"):
+    try:
+        _prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+        _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+        _prctl.restype = ctypes.c_int
+    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+        _prctl = None
+
+HAVE_PDEATHSIG = _prctl is not None
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits."""
+    if _prctl is None:
+        return False
+    return _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def die_with_parent_preexec(sig: int = signal.SIGKILL):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child dies with the calling thread.
+
+    Everything it needs is resolved before the fork (the libc function, the
+    parent's pid), so between ``fork`` and ``exec`` it only makes two system
+    calls; a parent that died before the signal was armed is caught by
+    comparing the parent pid."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        set_parent_death_signal(sig)
+        if os.getppid() != parent:
+            os._exit(137)
+
+    return preexec
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """For a process started by a launcher it does not control (an ``accelerate
+    launch`` rank): die with the parent, and exit now if the owner named in
+    ``CRAWL2CHAT_OWNER_PID`` is no longer among this process's ancestors (the
+    chain broke before the signal was armed)."""
+    set_parent_death_signal(sig)
+    owner = os.environ.get(OWNER_ENV)
+    if owner and owner.isdigit() and int(owner) not in ancestors():
+        print(f"the process that started this run (pid {owner}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(137)
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """The pids from this process's parent up to (and including) pid 1."""
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).parents()]
+    except psutil.Error:
+        return []
+
+
+def descendants(pid: int) -> list:
+    """The live processes below ``pid`` (psutil processes)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def terminate_tree(pgid: int, procs: Iterable, grace: float = 10.0) -> None:
+    """SIGTERM the process group ``pgid`` and the processes ``procs`` (a launcher's
+    tree collected beforehand, which may have left the group), wait up to ``grace``
+    seconds, then SIGKILL what is left."""
+    import psutil
+
+    procs = list(procs)
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + grace
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, deadline - time.monotonic()))
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass

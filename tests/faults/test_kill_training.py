@@ -1,0 +1,110 @@
+"""SIGKILL a training run's owner (the process running ``launch_training``, as the CLI
+and the Prefect task do), its ``accelerate launch`` or its rank at seeded points of a
+tiny pretraining and a tiny SFT run; after each kill no process of the run is left,
+and rerunning the same launch gives bitwise the weights of an uninterrupted run.
+While a run is going, a second launch on its folder is refused naming the holder."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from crawl2chat.infra.fault_drill import (PRETRAIN_STEPS, SFT_STEPS, KillPoint, kill_at, pretrain_spec, rerun,
+                                          same_weights, sft_spec)
+from crawl2chat.infra.launch import accelerate_command
+from crawl2chat.stages.locks import FolderBusy
+from crawl2chat.stages.training.registry import STAGES
+from crawl2chat.stages.training.stage import script_argv
+from crawl2chat.stages.training.trainer import read_metrics
+from crawl2chat.tasks.train import launch_training
+
+_rng = random.Random(20251203)
+PRETRAIN_POINTS = [KillPoint("owner", _rng.randint(12, 35)), KillPoint("rank", _rng.randint(12, 35)),
+                   KillPoint("launcher", _rng.randint(10, 25), during_save=True)]
+SFT_POINTS = [KillPoint("owner", _rng.randint(8, 25)), KillPoint("rank", _rng.randint(8, 25))]
+
+
+def _second_writers_refused(spec: dict):
+    """Checks run while the owner trains: a second launch_training on the folder and a
+    direct ``accelerate launch`` of the script are both refused, naming the owner's pid."""
+    def check(owner: subprocess.Popen) -> None:
+        with pytest.raises(FolderBusy) as busy:
+            launch_training(spec["stage"], spec["inputs"], spec["out"], max_steps=spec["max_steps"],
+                            overrides=spec["overrides"])
+        assert busy.value.pid == owner.pid and f"process {owner.pid}" in str(busy.value)
+        argv = script_argv(spec["inputs"], spec["out"], max_steps=spec["max_steps"], overrides=spec["overrides"])
+        direct = subprocess.run(accelerate_command(STAGES[spec["stage"]].module, argv), capture_output=True,
+                                text=True, timeout=300)
+        # The script exits with status 4 (accelerate's launcher then reports 1) and writes nothing there.
+        assert direct.returncode != 0 and "returned non-zero exit status 4" in direct.stderr, direct.stderr[-2000:]
+        assert f"being written by process {owner.pid}" in direct.stderr
+        assert not (Path(spec["out"]) / "failure.json").exists()
+    return check
+
+
+def _drill(spec: dict, point: KillPoint, reference, on_running=None) -> dict:
+    result = kill_at(spec, point, on_running=on_running)
+    assert result["killed"], f"{point}: the run ended before the kill point"
+    assert result["orphans"] == [], f"{point}: processes left running: {result['orphans']}"
+    assert result["owner_status"] != 0
+    rerun(spec)
+    resumes = [r for r in read_metrics(f"{spec['out']}/metrics.jsonl") if r.get("event") == "resume"]
+    assert resumes, f"{point}: the rerun did not resume from a checkpoint"
+    assert same_weights(f"{spec['out']}/model", reference / "model"), f"{point}: weights differ"
+    return result
+
+
+@pytest.mark.parametrize("point", PRETRAIN_POINTS, ids=str)
+def test_pretrain_killed_then_rerun_is_exact(fault_root, corpus, pretrain_reference, point):
+    spec = pretrain_spec(corpus, fault_root / f"pretrain-{point}".replace("@", "-").replace(">", ""))
+    first = point is PRETRAIN_POINTS[0]
+    _drill(spec, point, pretrain_reference, on_running=_second_writers_refused(spec) if first else None)
+    summary = json.loads((fault_root / spec["out"] / "metrics.json").read_text())
+    assert summary["steps"] == PRETRAIN_STEPS
+
+
+@pytest.mark.parametrize("point", SFT_POINTS, ids=str)
+def test_sft_killed_then_rerun_is_exact(fault_root, corpus, pretrain_reference, sft_reference, point):
+    spec = sft_spec(corpus, pretrain_reference / "model",
+                    fault_root / f"sft-{point}".replace("@", "-").replace(">", ""))
+    first = point is SFT_POINTS[0]
+    _drill(spec, point, sft_reference, on_running=_second_writers_refused(spec) if first else None)
+    assert json.loads((fault_root / spec["out"] / "metrics.json").read_text())["steps"] == SFT_STEPS
+
+
+def test_damaged_checkpoint_is_passed_over(fault_root, corpus, pretrain_reference):
+    """A run killed at step 35 has checkpoints 20 and 30; 30's weights are truncated.
+    The rerun names the file, resumes from 20 and still ends bitwise on the reference."""
+    spec = pretrain_spec(corpus, fault_root / "pretrain-damaged-ckpt")
+    result = kill_at(spec, KillPoint("owner", 35))
+    assert result["killed"] and result["orphans"] == []
+    ckpts = sorted(p.name for p in (fault_root / spec["out"] / "checkpoints").glob("step_*"))
+    assert ckpts[-1] == "step_00000030", ckpts
+    weights = fault_root / spec["out"] / "checkpoints" / "step_00000030" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    rerun(spec)
+    log = (fault_root / spec["out"] / "train.log").read_text()
+    assert f"checkpoint step_00000030 is damaged ({weights} has" in log
+    resumes = [r for r in read_metrics(f"{spec['out']}/metrics.jsonl") if r.get("event") == "resume"]
+    assert resumes[-1]["checkpoint"] == "step_00000020"
+    assert same_weights(f"{spec['out']}/model", pretrain_reference / "model")
+
+
+def test_damaged_final_model_is_trained_again(fault_root, corpus, pretrain_reference):
+    """A finished run whose saved safetensors was altered is not taken as finished: the
+    rerun names the file, trains the last steps again and writes the same weights."""
+    spec = pretrain_spec(corpus, fault_root / "pretrain-damaged-model")
+    out = fault_root / spec["out"]
+    shutil.copytree(pretrain_reference, out, symlinks=True)
+    weights = out / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    rerun(spec)
+    assert f"{weights} does not match its sha256" in (out / "train.log").read_text()
+    assert same_weights(out / "model", pretrain_reference / "model")

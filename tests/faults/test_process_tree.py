@@ -1,0 +1,104 @@
+"""No process outlives its owner: the launch path (``run_streaming``) with a stand-in
+for ``accelerate launch`` whose "rank" leaves the process group, and a local Ray.
+The owner is killed with SIGKILL, SIGTERM or Ctrl-C (SIGINT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from crawl2chat.infra.fault_drill import run_processes, wait_until_gone
+
+# The stand-in launcher starts a "rank" in a session of its own (out of reach of a
+# process-group kill) that arms its parent-death signal as the training scripts do.
+RANK = "from crawl2chat.stages.lifetime import die_with_parent; die_with_parent(); import time; time.sleep(600)"
+LAUNCHER = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], start_new_session=True)
+    print('launched', flush=True)
+    time.sleep(600)
+""")
+OWNER = textwrap.dedent("""
+    import sys
+    from crawl2chat.infra.launch import run_streaming
+    run_streaming([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]], grace_seconds=5,
+                  on_line=lambda line: print(line, flush=True))
+""")
+
+
+def start_owner(tag: str) -> subprocess.Popen:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, LAUNCHER, RANK, tag], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    assert owner.stdout.readline().strip() == "launched"
+    deadline = time.monotonic() + 60
+    while len(run_processes(tag)) < 3 and time.monotonic() < deadline:  # owner, launcher, rank
+        time.sleep(0.05)
+    assert len(run_processes(tag)) == 3, run_processes(tag)
+    return owner
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_launched_tree_dies_with_its_owner(tmp_path, sig):
+    tag = str(tmp_path / f"tree-{sig.name}")
+    owner = start_owner(tag)
+    os.kill(owner.pid, sig)
+    owner.wait(timeout=60)
+    assert wait_until_gone(tag, timeout=20) == []
+
+
+def test_a_rank_whose_owner_is_gone_exits_at_once(tmp_path):
+    """A rank that arms its signal after the chain broke finds its owner missing."""
+    env = {**os.environ, "CRAWL2CHAT_OWNER_PID": "999999999"}
+    rank = subprocess.run([sys.executable, "-c", RANK, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert rank.returncode == 137 and "(pid 999999999) is gone" in rank.stderr
+
+
+DRIVER = textwrap.dedent("""
+    import json, os, sys, time
+    import psutil
+    from crawl2chat.infra.ray_runtime import ensure_ray
+    ensure_ray(num_cpus=1)
+    time.sleep(3)  # let the raylet start its agents
+    me = psutil.Process()
+    print(json.dumps([[p.pid, p.create_time()] for p in me.children(recursive=True)]), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_local_ray_dies_with_its_driver():
+    """SIGKILL of a process that started the project's local Ray: every Ray process
+    below it (GCS, raylet, workers, agents) exits too."""
+    import psutil
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        started = json.loads(driver.stdout.readline())
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)  # the driver alone: Ray's processes share its group
+        driver.wait()
+    assert started, "Ray started no processes"
+    t0 = time.monotonic()
+    left = started
+    while left and time.monotonic() - t0 < 120:
+        left = [(pid, ct) for pid, ct in left if psutil.pid_exists(pid) and _same(pid, ct)]
+        time.sleep(0.2)
+    assert left == [], [psutil.Process(pid).cmdline() for pid, _ in left]
+
+
+def _same(pid: int, create_time: float) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() == create_time and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
