@@ -16,7 +16,7 @@ torch or Accelerate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -27,6 +27,7 @@ from crawl2chat.stages.data.settings import (BalanceConfig, CrawlConfig, DedupCo
                                              QualityConfig, ReviewConfig)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.settings import DPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig
+from crawl2chat.stages.training.settings import MLMConfig, SpanConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -247,6 +248,25 @@ class DPOStage(TrainStage):
     train: DPOConfig = Field(default_factory=_demo(DPOConfig, max_steps=40, lr=1e-4, min_lr=1e-5))
 
 
+def _demo_encoder(cls) -> Callable[[], BaseModel]:
+    # Sized like the pretraining demo: a small corpus and a 2-core laptop.
+    return lambda: cls(preset="tiny", vocab_size=2048, seq_len=128, micro_batch_size=8, max_steps=200,
+                       warmup_steps=20, lr=1e-3, min_lr=1e-4, eval_every=100, eval_batches=10,
+                       checkpoint_every=100, val_fraction=0.1)
+
+
+class MLMStage(TrainStage):
+    out: str = "runs/mlm"
+    registered_name: str | None = STAGES["mlm"].registered_name
+    train: MLMConfig = Field(default_factory=_demo_encoder(MLMConfig), description="Training settings.")
+
+
+class SpanStage(TrainStage):
+    out: str = "runs/span"
+    registered_name: str | None = STAGES["span"].registered_name
+    train: SpanConfig = Field(default_factory=_demo_encoder(SpanConfig), description="Training settings.")
+
+
 class DemoSetsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -279,6 +299,8 @@ class Config(BaseModel):
     reward: RewardStage = Field(default_factory=RewardStage)
     ppo: PPOStage = Field(default_factory=PPOStage)
     dpo: DPOStage = Field(default_factory=DPOStage)
+    mlm: MLMStage = Field(default_factory=MLMStage)
+    span: SpanStage = Field(default_factory=SpanStage)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

@@ -138,3 +138,67 @@ def test_tiny_corpus_still_gets_a_validation_split(tok_dir, tmp_path):
     total = len(open_tokens(tmp_path / "packed", "train")) + len(open_tokens(tmp_path / "packed", "val"))
     assert total == index["train"]["tokens"] + index["val"]["tokens"]
     assert index["val"]["bytes"] + index["train"]["bytes"] == sum(len(d.encode()) for d in docs)
+
+
+# ---------------------------------------------------------------- WordPiece and Unigram beside BPE
+
+ROUND_TRIP = "The noble lord speaks. Gentle queen answers the fool."
+
+
+@pytest.mark.parametrize("tokenizer_type", ["bpe", "wordpiece", "unigram"])
+def test_each_tokenizer_type_trains_round_trips_and_loads(corpus, tmp_path, tokenizer_type):
+    from crawl2chat.stages.training.tokenizer import UNK_TOKEN, tokenizer_family
+
+    tok_dir = train_tokenizer(corpus, tmp_path / "tok", vocab_size=400, tokenizer_type=tokenizer_type)
+    assert tokenizer_family(tok_dir) == tokenizer_type
+    tok = load_tokenizer(tok_dir)
+    # The six shared special tokens keep ids 0..5 in every family; WordPiece and Unigram add <|unk|> next.
+    assert tok.convert_tokens_to_ids(SPECIAL_TOKENS) == list(range(len(SPECIAL_TOKENS)))
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<|pad|>" and tok.chat_template == CHAT_TEMPLATE
+    ids = tok(ROUND_TRIP)["input_ids"]
+    assert tok.decode(ids) == ROUND_TRIP
+    assert len(ids) < len(ROUND_TRIP.split()) * 2  # words, not characters
+    markers = {"bpe": "Ġ", "wordpiece": "##", "unigram": "▁"}[tokenizer_type]
+    assert any(markers in t for t in tok.convert_ids_to_tokens(tok("speaks answers gentleness")["input_ids"]))
+    if tokenizer_type == "bpe":
+        assert tok.unk_token is None and tok.decode(tok("東京 🙂")["input_ids"]) == "東京 🙂"  # bytes: nothing unknown
+    else:
+        assert tok.unk_token == UNK_TOKEN and tok.unk_token_id == len(SPECIAL_TOKENS)
+        assert tok.unk_token_id in tok("queen ☃")["input_ids"]  # a character never seen in training
+
+
+@pytest.mark.parametrize("tokenizer_type", ["bpe", "wordpiece", "unigram"])
+def test_encoder_objectives_get_their_special_tokens(corpus, tmp_path, tokenizer_type):
+    from crawl2chat.stages.training.tokenizer import CLS_TOKEN, MASK_TOKEN, SEP_TOKEN, sentinel
+
+    mlm = load_tokenizer(train_tokenizer(corpus, tmp_path / "mlm", vocab_size=400, tokenizer_type=tokenizer_type,
+                                         objective="mlm"))
+    assert (mlm.cls_token, mlm.sep_token, mlm.mask_token) == (CLS_TOKEN, SEP_TOKEN, MASK_TOKEN)
+    ids = mlm("the king")["input_ids"]
+    assert ids[0] == mlm.cls_token_id and ids[-1] == mlm.sep_token_id  # BERT's template
+    assert mlm.decode(ids, skip_special_tokens=True) == "the king"
+    masked = mlm(f"the {MASK_TOKEN} speaks")["input_ids"]
+    assert masked.count(mlm.mask_token_id) == 1  # the mask is one token, never split
+    assert mlm.chat_template is None
+
+    span = load_tokenizer(train_tokenizer(corpus, tmp_path / "span", vocab_size=400, tokenizer_type=tokenizer_type,
+                                          objective="span", num_sentinels=8))
+    sentinels = span.convert_tokens_to_ids([sentinel(i) for i in range(8)])
+    assert len(set(sentinels)) == 8 and span.unk_token_id not in sentinels
+    ids = span(f"the {sentinel(0)} speaks {sentinel(1)}")["input_ids"]
+    assert ids[-1] == span.eos_token_id and sentinels[0] in ids and sentinels[1] in ids  # T5: input ends with EOS
+    assert "token_type_ids" not in span("the king")  # a seq2seq model takes ids and attention mask only
+
+
+def test_pretrain_tokenizer_type_takes_effect_and_a_mismatch_is_refused(corpus, tmp_path):
+    from crawl2chat.stages.training.pretrain import prepare_data
+    from crawl2chat.stages.training.settings import PretrainConfig
+    from crawl2chat.stages.training.tokenizer import tokenizer_family
+
+    cfg = PretrainConfig(vocab_size=300, val_fraction=0.1, tokenizer_type="unigram")
+    tok_dir, data_dir = prepare_data(cfg, corpus, tmp_path / "run")
+    assert tokenizer_family(tok_dir) == "unigram" and load_index(data_dir)["val"]["tokens"] > 0
+    with pytest.raises(ValueError, match="holds a unigram tokenizer but tokenizer_type is 'bpe'"):
+        prepare_data(PretrainConfig(tokenizer=str(tok_dir)), corpus, tmp_path / "other")
+    with pytest.raises(ValueError, match="tokenizer_type"):
+        train_tokenizer(corpus, tmp_path / "x", tokenizer_type="sentencepiece")

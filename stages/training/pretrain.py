@@ -31,7 +31,7 @@ import yaml
 
 from crawl2chat.stages.training.models import build_model, flops_per_token, model_config, num_params
 from crawl2chat.stages.training.packing import INDEX, load_index, open_tokens, pack_shards
-from crawl2chat.stages.training.tokenizer import load_tokenizer, train_tokenizer
+from crawl2chat.stages.training.tokenizer import check_tokenizer, load_tokenizer, train_tokenizer
 from crawl2chat.stages.training.stage import finished_summary, resolve, run_script, save_model, stage_parser
 from crawl2chat.stages.training.trainer import Trainer, make_accelerator
 from crawl2chat.stages.training.settings import PretrainConfig
@@ -45,7 +45,10 @@ def prepare_data(cfg: PretrainConfig, data: str | os.PathLike, out: str | os.Pat
     out = Path(out)
     tok_dir = Path(cfg.tokenizer) if cfg.tokenizer else out / "tokenizer"
     if not (tok_dir / "tokenizer.json").exists():
-        train_tokenizer(data, tok_dir, vocab_size=cfg.vocab_size, max_docs=cfg.tokenizer_max_docs)
+        train_tokenizer(data, tok_dir, vocab_size=cfg.vocab_size, max_docs=cfg.tokenizer_max_docs,
+                        tokenizer_type=cfg.tokenizer_type)
+    elif cfg.tokenizer:
+        check_tokenizer(tok_dir, cfg.tokenizer_type)
     data_dir = out / "data"
     if not (data_dir / INDEX).exists():
         pack_shards(data, tok_dir, data_dir, val_fraction=cfg.val_fraction)

@@ -129,4 +129,35 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         evaluation="chat",
         report=lambda s: _held_out(s, "eval_reward_accuracy"),
     ),
+    TrainingStage(
+        name="mlm",
+        module="crawl2chat.stages.training.mlm",
+        goal="Train a tokenizer and a BERT encoder from scratch by masked language modelling "
+             "(15% selected: 80% masked, 10% random, 10% kept; optional whole-word masking).",
+        inputs=(StageInput("data", "A data-stage output folder (its current version) or a plain text file.",
+                           "runs/data"),),
+        registered_name="crawl2chat-mlm",
+        evaluation=None,  # held-out masked loss and accuracy are measured in training (metrics.json)
+        report=lambda s: f"val_loss {_fmt(s, 'val_loss')} (untrained {_fmt(s, 'initial_val_loss')}), "
+                         f"masked accuracy {_fmt(s, 'val_masked_accuracy')} "
+                         f"(untrained {_fmt(s, 'initial_val_masked_accuracy')})",
+        prepare_on_host=True,
+        artifact_dirs=("tokenizer",),
+        options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
+    ),
+    TrainingStage(
+        name="span",
+        module="crawl2chat.stages.training.span",
+        goal="Train a tokenizer and a T5 encoder-decoder from scratch by span corruption "
+             "(15% noise in spans of mean length 3, replaced by sentinels).",
+        inputs=(StageInput("data", "A data-stage output folder (its current version) or a plain text file.",
+                           "runs/data"),),
+        registered_name="crawl2chat-span",
+        evaluation=None,  # held-out target loss and token accuracy are measured in training (metrics.json)
+        report=lambda s: f"val_loss {_fmt(s, 'val_loss')} (untrained {_fmt(s, 'initial_val_loss')}), "
+                         f"target token accuracy {_fmt(s, 'val_token_accuracy')}",
+        prepare_on_host=True,
+        artifact_dirs=("tokenizer",),
+        options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
+    ),
 )}

@@ -112,6 +112,7 @@ class PretrainConfig(TrainConfig):
     tokenizer: str | None = None  # an existing tokenizer folder to reuse instead
     tokenizer_max_docs: int | None = 200_000  # documents sampled to train the tokenizer
     val_fraction: float = 0.01  # share of documents (by id hash) held out for validation
+    tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = "bpe"  # family of the trained (or given) tokenizer
 
 
 # ---------------------------------------------------------------- sft
@@ -224,3 +225,58 @@ class PPOConfig(LoopConfig):
             if given:
                 raise ValueError("; ".join(f"{k} does not apply to PPO ({NOT_FOR_PPO[k]})" for k in given))
         return data
+
+# ---------------------------------------------------------------- encoder objectives (mlm, span)
+
+class EncoderPretrainConfig(TrainConfig):
+    """What the encoder objectives share: a model preset, the tokenizer trained on the
+    data (or given), the held-out split, and windows of ``seq_len`` tokens."""
+
+    seq_len: int = Field(128, ge=16)  # tokens per training row (MLM: with <|cls|> and <|sep|>; span: before corruption)
+    max_steps: int = 1000
+    default_lr: ClassVar[float] = 5e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    preset: Literal["tiny", "cpu-small", "cpu", "base"] = "cpu"
+    vocab_size: int = 8192  # of the tokenizer trained on the data when no tokenizer is given
+    tokenizer: str | None = None  # an existing tokenizer folder (with this objective's special tokens) to reuse
+    tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = "wordpiece"
+    tokenizer_max_docs: int | None = 200_000  # documents sampled to train the tokenizer
+    val_fraction: float = 0.01  # share of documents (by id hash) held out for validation
+
+
+class MLMConfig(EncoderPretrainConfig):
+    """Masked language modelling (BERT's corruption, RoBERTa's recipe: dynamic masks, full windows, no NSP)."""
+
+    mlm_probability: float = Field(0.15, gt=0, lt=1)  # share of a row's ordinary tokens selected for prediction
+    mask_replace_prob: float = Field(0.8, ge=0, le=1)  # of the selected: replaced by <|mask|>
+    random_replace_prob: float = Field(0.1, ge=0, le=1)  # of the selected: replaced by a random ordinary token
+    whole_word_masking: bool = False  # select whole words (all their tokens), not single tokens
+
+    @model_validator(mode="after")
+    def _replacement_shares(self):
+        if self.mask_replace_prob + self.random_replace_prob > 1:
+            raise ValueError("mask_replace_prob + random_replace_prob must not exceed 1 (the rest is kept unchanged)")
+        return self
+
+
+class SpanConfig(EncoderPretrainConfig):
+    """T5 span corruption for an encoder-decoder model."""
+
+    tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = "unigram"
+    noise_density: float = Field(0.15, gt=0, lt=1)  # share of a row's tokens that are corrupted
+    mean_span_length: float = Field(3.0, ge=1)  # mean length of a corrupted span
+    num_sentinels: int = Field(100, ge=1)  # sentinel tokens in a trained tokenizer (>= spans per row)
+
+    @model_validator(mode="after")
+    def _enough_sentinels(self):
+        from crawl2chat.stages.training.masking import span_counts
+
+        noise, spans = span_counts(self.seq_len, self.noise_density, self.mean_span_length)
+        if spans > self.num_sentinels:
+            raise ValueError(f"num_sentinels={self.num_sentinels} is fewer than the {spans} spans a row of "
+                             f"seq_len={self.seq_len} gets; raise num_sentinels or lower seq_len")
+        if spans > self.seq_len - noise:
+            raise ValueError(f"noise_density={self.noise_density} leaves fewer kept tokens than spans in a row")
+        return self
