@@ -29,6 +29,8 @@ MODULES = {
     S.RewardConfig: ("reward", "sampling", "trainer"),
     S.DPOConfig: ("dpo", "reward", "sampling", "trainer"),
     S.PPOConfig: ("ppo", "trainer"),
+    S.MLMConfig: ("mlm", "encoders", "trainer"),
+    S.SpanConfig: ("span", "encoders", "trainer"),
 }
 
 # What every stage run by the shared Trainer reads, and where.
@@ -45,7 +47,7 @@ TRAINER = {**LOOP, "eval_every": "trainer", "eval_batches": "sampling", "peak_fl
 EVIDENCE: dict[type, dict[str, str]] = {
     S.PretrainConfig: {**TRAINER, "seq_len": "pretrain", "eval_batches": "pretrain", "grad_checkpointing": "pretrain",
                        "preset": "pretrain", "vocab_size": "pretrain", "tokenizer": "pretrain",
-                       "tokenizer_max_docs": "pretrain", "val_fraction": "pretrain"},
+                       "tokenizer_max_docs": "pretrain", "val_fraction": "pretrain", "tokenizer_type": "pretrain"},
     S.SFTConfig: {**TRAINER, "seq_len": "sft", "grad_checkpointing": "sft", "pack": "sft", "val_fraction": "sft"},
     S.RewardConfig: {**TRAINER, "seq_len": "reward", "grad_checkpointing": "reward", "val_fraction": "reward",
                      "margin": "reward"},
@@ -60,6 +62,14 @@ EVIDENCE: dict[type, dict[str, str]] = {
                                         "missing_eos_penalty", "save_value_model")},
                   # The trainer's fields PPO's own loop has no use for.
                   **{f: REFUSED for f in S.NOT_FOR_PPO}},
+    S.MLMConfig: {**TRAINER, **{f: "encoders" for f in ("seq_len", "vocab_size", "tokenizer", "tokenizer_type",
+                                                        "tokenizer_max_docs", "val_fraction", "eval_batches")},
+                  **{f: "mlm" for f in ("preset", "grad_checkpointing", "mlm_probability", "mask_replace_prob",
+                                        "random_replace_prob", "whole_word_masking")}},
+    S.SpanConfig: {**TRAINER, **{f: "encoders" for f in ("seq_len", "vocab_size", "tokenizer", "tokenizer_type",
+                                                         "tokenizer_max_docs", "val_fraction", "eval_batches",
+                                                         "noise_density", "mean_span_length", "num_sentinels")},
+                   **{f: "span" for f in ("preset", "grad_checkpointing")}},
     S.RollbackConfig: {"max_rollbacks": "trainer", "lr_factor": "trainer", "spike_factor": "trainer",
                        "spike_window": "trainer"},
 }

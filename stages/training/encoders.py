@@ -112,7 +112,7 @@ def prepare_data(cfg: EncoderPretrainConfig, data: str | os.PathLike, out: str |
             tmp = out / "tokenizer.tmp"
             train_tokenizer(data, tmp, vocab_size=cfg.vocab_size, max_docs=cfg.tokenizer_max_docs,
                             tokenizer_type=cfg.tokenizer_type, objective=objective,
-                            num_sentinels=getattr(cfg, "num_sentinels", 0))
+                            num_sentinels=cfg.num_sentinels if objective == "span" else 0)
             if tok_dir.exists():
                 import shutil
 
