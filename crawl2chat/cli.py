@@ -173,7 +173,8 @@ def run(
         f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.",
         f"  dataset:      {data_out / 'manifest.json'}  (version {manifest['version']}, {len(manifest['shards'])} shards"
         f" in {data_out / 'shards'}; review.md, rejected/ beside it)",
-        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})",
+        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f} on held-out split "
+        f"{base.get('split', 'none recorded')}; every evaluation reads only that split)",
         f"  SFT model:    {result['sft']['model_dir']}",
         f"  reward model: {result['reward']['model_dir']}  (eval_accuracy {result['reward'].get('eval_accuracy', float('nan')):.3f})",
         f"  PPO policy:   {result['ppo']['model_dir']}  (reward {result['ppo'].get('reward_mean_first', float('nan')):.3f}"
