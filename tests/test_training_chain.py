@@ -202,6 +202,21 @@ def test_one_held_out_split_for_every_evaluation_and_later_stage(run, tmp_path):
     staged = evaluate_causal_lm(str(later), str(run["data"]), chat=True)
     assert staged["split"] == split.name and staged["lm"]["documents"] == min(200, len(held))
 
+    # In MLflow, as the training task records a stage: the shares as metrics, the splits as tags.
+    import mlflow
+
+    from crawl2chat.infra.tracking import setup_tracking
+    from crawl2chat.tasks.train import log_evaluation
+
+    setup_tracking(tmp_path / "home", "chain-test")
+    with mlflow.start_run() as active:
+        mlflow.log_metrics({k: float(v) for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        log_evaluation(staged)
+    recorded = mlflow.get_run(active.info.run_id).data
+    assert recorded.tags["crawl2chat.eval_split"] == split.name and recorded.metrics["eval.lm.bpb"] > 0
+    assert recorded.metrics["share.de.realised"] == pytest.approx(m["share.de.realised"])
+    assert recorded.metrics["share.de.target"] == pytest.approx(m["share.de.target"])
+
     # Demo sets for SFT, reward and PPO come from training documents only, drawn by weight.
     paths = derive_demo_sets(run["data"], tmp_path / "demo", n=40, split=split)
     for kind in ("sft", "preference", "prompts"):
