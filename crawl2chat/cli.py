@@ -18,11 +18,12 @@ CONFIG_OPT = typer.Option(None, "--config", "-c", help="YAML configuration file.
 SET_OPT = typer.Option(None, "--set", help="Override a config field: KEY.PATH=VALUE (repeatable).")
 
 
-def _load(config: Optional[Path], overrides: dict, sets: Optional[list[str]]):
+def _load(config: Optional[Path], overrides: dict, sets: Optional[list[str]], preset: dict | None = None):
     from crawl2chat.stages.settings import SettingsError, load_config, parse_override
 
     try:
-        merged = dict(parse_override(s) for s in (sets or []))
+        merged = dict(preset or {})
+        merged.update(parse_override(s) for s in (sets or []))
         merged.update({k: v for k, v in overrides.items() if v not in (None, [], ())})
         return load_config(config, merged)
     except SettingsError as e:
@@ -49,14 +50,8 @@ def data(
                          "data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.data import data_flow
-    from crawl2chat.stages.data.pipeline import NothingUsableError
 
-    try:
-        manifest = data_flow(cfg)
-    except NothingUsableError as e:
-        _fail(str(e))
-    except FileNotFoundError as e:
-        _fail(str(e))
+    manifest = _guarded(lambda: data_flow(cfg))
     out_dir = Path(cfg.data.out).resolve()
     typer.echo(
         f"\n{manifest['version']}: {manifest['documents_kept']} documents ({manifest['version_documents_kept']} new), "
@@ -106,7 +101,7 @@ def _guarded(body):
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
     except (NothingUsableError, FileNotFoundError) as e:
-        _fail(str(e))
+        _fail(str(e), 2)
     except SettingsError as e:
         _fail(str(e), 2)
 
@@ -158,11 +153,22 @@ for _name in STAGES:
 @app.command()
 def run(
     refresh: bool = typer.Option(False, "--refresh", help="Add only new/changed pages to the existing dataset."),
+    preset: str = typer.Option("default", "--preset", help="Size of the run: default (minutes on a laptop), "
+                               "large (hours on CPU, minutes on a GPU), gpu (a 124M model)."),
     config: Optional[Path] = CONFIG_OPT,
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
-    """The main job, end to end on the embedded default (local Ray, Prefect, MLflow)."""
-    cfg = _load(config, {"data.refresh": True if refresh else None}, set_)
+    """The main job, end to end on the embedded default (local Ray, Prefect, MLflow).
+
+    Example: crawl2chat run            (then: crawl2chat chat --model runs/ppo/model)
+    """
+    from crawl2chat.stages.settings import RUN_PRESETS
+
+    if preset not in RUN_PRESETS:
+        _fail(f"--preset {preset!r}: choose one of {', '.join(RUN_PRESETS)}", 2)
+    expected, overlay = RUN_PRESETS[preset]
+    cfg = _load(config, {"data.refresh": True if refresh else None}, set_, overlay)
+    typer.echo(f"crawl2chat run --preset {preset}: expect {expected}.")
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.pipeline import pipeline_flow
 
@@ -176,9 +182,8 @@ def run(
         f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f} on held-out split "
         f"{base.get('split', 'none recorded')}; every evaluation reads only that split)",
         f"  SFT model:    {result['sft']['model_dir']}",
-        f"  reward model: {result['reward']['model_dir']}  (eval_accuracy {result['reward'].get('eval_accuracy', float('nan')):.3f})",
-        f"  PPO policy:   {result['ppo']['model_dir']}  (reward {result['ppo'].get('reward_mean_first', float('nan')):.3f}"
-        f" -> {result['ppo'].get('reward_mean_last', float('nan')):.3f})",
+        f"  reward model: {result['reward']['model_dir']}  ({STAGES['reward'].report(result['reward'])})",
+        f"  PPO policy:   {result['ppo']['model_dir']}  ({STAGES['ppo'].report(result['ppo'])})",
     ]
     if "dpo" in result:
         lines.append(f"  DPO policy:   {result['dpo']['model_dir']}")

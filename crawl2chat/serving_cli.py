@@ -95,18 +95,43 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
     port: int = typer.Option(8000, "--port", "-p", help="TCP port."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP + " Default: the folder's serving.json."),
-    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests generating at once."),
+    max_concurrent: int = typer.Option(4, "--max-concurrent", help="Requests generating at once (at least 1)."),
     max_queue: int = typer.Option(16, "--max-queue", help="Requests waiting beyond those; more get 503."),
     max_tokens: int = typer.Option(1024, "--max-tokens", help="Largest max_tokens a request may ask for."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Larger request bodies get 413."),
+    max_messages: int = typer.Option(256, "--max-messages", help="Chat messages per request; more get 400."),
+    max_prompt_chars: int = typer.Option(65_536, "--max-prompt-chars",
+                                         help="Prompt (all message contents) in characters; longer get 400."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens",
+                                                    help="Prompt in tokens; longer get 400. Default: the context."),
+    queue_timeout: float = typer.Option(30.0, "--queue-timeout", help="Seconds a request may wait for a slot; then 503."),
+    request_timeout: float = typer.Option(300.0, "--request-timeout",
+                                          help="Seconds an admitted request may run; then its generation stops."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CRAWL2CHAT_API_KEY", show_envvar=True,
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    cors_origin: Optional[list[str]] = typer.Option(None, "--cors-origin",
+                                                    help="Origin allowed cross-origin requests (repeatable; '*': any). "
+                                                         "Default: none, no CORS headers."),
 ) -> None:
     """HTTP server: /health, /generate (streaming) and OpenAI-compatible /v1/chat/completions."""
     _check_model(model)
     _check_quantize(quantize)
-    from crawl2chat.stages.inference.serve import serve
+    from crawl2chat.stages.inference.serve import ServerSettings, serve
 
-    typer.echo(f"serving {model} on http://{host}:{port}  (OpenAI base URL http://{host}:{port}/v1)")
-    serve(model, host=host, port=port, quantize=quantize, max_concurrent=max_concurrent, max_queue=max_queue,
-          max_tokens_limit=max_tokens)
+    try:
+        settings = ServerSettings(
+            max_concurrent=max_concurrent, max_queue=max_queue, max_tokens_limit=max_tokens,
+            max_body_bytes=max_body_bytes, max_messages=max_messages, max_prompt_chars=max_prompt_chars,
+            max_prompt_tokens=max_prompt_tokens, queue_timeout=queue_timeout, request_timeout=request_timeout,
+            api_key=api_key, cors_origins=tuple(cors_origin or ())).validated()
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"serving {model} on http://{host}:{port}  (OpenAI base URL http://{host}:{port}/v1)"
+               + ("; API key required" if settings.api_key else ""))
+    if not settings.api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo(f"warning: listening on {host} without an API key (--api-key or CRAWL2CHAT_API_KEY)", err=True)
+    serve(model, host=host, port=port, quantize=quantize, settings=settings)
 
 
 def chat_command(

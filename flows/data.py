@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from crawl2chat.stages.settings import Config
+from crawl2chat.stages.settings import Config, apply_profile
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks import data as t
 
@@ -37,7 +37,12 @@ def run_data_pipeline(config: Config) -> dict:
     earlier version; otherwise every input file is read into a new chain. A
     build whose inputs and settings equal the current version's does nothing.
     """
-    data = config.data
+    embedded_site = not (config.data.inputs or config.data.seed_urls or config.data.crawl.seed_urls)
+    data, changed = apply_profile(config.data, embedded_site)
+    config = config.model_copy(update={"data": data})
+    if changed:
+        print(f"[data] rule profile '{data.profile}': {len(changed)} settings relaxed for documentation pages "
+              "(listed in review.md)", flush=True)
     out = str(Path(data.out).resolve())
     files = t.list_inputs(data.inputs)
     if data.seed_urls or not data.inputs:
@@ -52,7 +57,7 @@ def run_data_pipeline(config: Config) -> dict:
     extracted = t.extract_task(plan.files, work, data.extract)
     identified = t.langid_task(extracted, work, data.langid)
     filtered = t.quality_task(identified, work, data.quality)
-    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index)
+    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards)
     balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"))
     manifest = t.write_task(
         [extracted, identified, filtered, deduped, balanced], out, data.shard_bytes, config.model_dump(mode="json"),

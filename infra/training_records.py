@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -11,51 +14,140 @@ from mlflow.entities import Metric
 
 
 class MetricsFollower:
-    """Logs new complete lines of a training run's ``metrics.jsonl`` to the active MLflow run.
+    """Follows a training run's ``metrics.jsonl`` into an MLflow run while it trains.
 
-    After a resume or a rollback a step can appear twice; MLflow keeps both
-    points, and the later one is the one the run continued from.
+    :meth:`start` runs a thread that reads the file's new complete lines every
+    ``interval`` seconds and logs their numbers (loss, lr, grad_norm,
+    tokens_per_second, evaluation figures, ...), each point with its row's ``step``
+    and the time the trainer recorded it (``time``), so the MLflow UI fills in as
+    the run goes. :meth:`stop` sends what is left.
+
+    Tracking never stops training: a failed send (the server gone, the store
+    locked) keeps its points buffered and is retried at the next poll, so they land
+    once the server is back; the training result on disk is what counts. After a
+    resume or a rollback a step can appear twice; MLflow keeps both points, and the
+    later one is the one the run continued from.
     """
 
-    KEYS = ("loss", "lr", "grad_norm", "tokens_per_second", "mfu", "val_loss", "val_bpb",
-            "reward_mean", "kl", "clip_fraction", "entropy", "value_loss", "response_length",
-            "accuracy", "eval_accuracy", "eval_reward_accuracy", "kl_coef", "eos_rate", "policy_loss",
-            "approx_kl", "value_clip_fraction", "reward_accuracy", "chosen_reward", "rejected_reward")
+    SKIP = {"step", "time", "batch_index", "world_size"}  # numbers that are coordinates, not metrics
+    BATCH = 900  # MLflow's log_batch takes at most 1000 metrics
 
-    def __init__(self, path: Path, run_id: str):
-        self.path = path
+    def __init__(self, path: Path, run_id: str, client: mlflow.MlflowClient | None = None, interval: float = 1.0):
+        self.path = Path(path)
         self.run_id = run_id
+        self.client = client or mlflow.MlflowClient()
+        self.interval = interval
         self.offset = 0
-        self.client = mlflow.MlflowClient()
+        self.pending: list[Metric] = []
+        self.sent = 0
+        self.failures = 0  # sends that failed (and were retried)
+        self.last_error: str | None = None
         self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._drain_timeout = 0.0
 
-    def poll(self) -> None:
+    # ------------------------------------------------------------ reading and sending
+
+    def read(self) -> int:
+        """Buffer the metrics of the file's new complete lines; returns how many."""
         if not self.path.exists():
-            return
-        with open(self.path, encoding="utf-8") as f:
+            return 0
+        with open(self.path, "rb") as f:
             f.seek(self.offset)
             chunk = f.read()
-        complete, _, _ = chunk.rpartition("\n")
+        complete, _, _ = chunk.rpartition(b"\n")
         if not complete:
-            return
-        self.offset += len(complete.encode("utf-8")) + 1
-        metrics = []
+            return 0
+        self.offset += len(complete) + 1
         now = int(time.time() * 1000)
-        for line in complete.splitlines():
+        before = len(self.pending)
+        for line in complete.decode("utf-8", errors="replace").splitlines():
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
+            if not isinstance(row, dict):
+                continue
             if row.get("type") == "event":
                 self.events.append(row)
                 continue
-            step = int(row.get("step", 0))
-            for key in self.KEYS:
-                value = row.get(key)
-                if isinstance(value, (int, float)) and value == value:  # skip NaN
-                    metrics.append(Metric(key, float(value), now, step))
-        for i in range(0, len(metrics), 900):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + 900])
+            step = row.get("step", 0)
+            step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else 0
+            t = row.get("time")
+            stamp = int(t * 1000) if isinstance(t, (int, float)) and math.isfinite(t) else now
+            for key, value in row.items():
+                if key in self.SKIP or isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                if math.isfinite(value):  # a NaN or an infinity is no figure
+                    self.pending.append(Metric(key, float(value), stamp, step))
+        return len(self.pending) - before
+
+    def flush(self) -> bool:
+        """Send the buffered points; True when none is left. A failure keeps them for the next try."""
+        while self.pending:
+            chunk = self.pending[: self.BATCH]
+            try:
+                self.client.log_batch(self.run_id, metrics=chunk)
+            except Exception as e:  # noqa: BLE001 - any tracking failure is retried, never raised into training
+                self.failures += 1
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                if self.last_error is None:
+                    print(f"[mlflow] metrics not sent ({error}); {len(self.pending)} points kept, retrying",
+                          file=sys.stderr, flush=True)
+                self.last_error = error
+                return False
+            del self.pending[: len(chunk)]
+            self.sent += len(chunk)
+            if self.last_error is not None:
+                print("[mlflow] tracking server reachable again; buffered metrics sent", file=sys.stderr, flush=True)
+                self.last_error = None
+        return True
+
+    def poll(self) -> bool:
+        """Read new lines and send everything buffered; True when nothing is left unsent."""
+        with self._lock:
+            self.read()
+            return self.flush()
+
+    # ------------------------------------------------------------ the thread
+
+    def start(self) -> "MetricsFollower":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="metrics-follower", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+        # Stopping: what the run wrote last, and whatever an outage left buffered.
+        deadline = time.monotonic() + self._drain_timeout
+        while not self.poll() and time.monotonic() < deadline:
+            time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
+
+    def stop(self, drain_timeout: float = 60.0) -> bool:
+        """Stop following after a last read; keep retrying unsent points for up to
+        ``drain_timeout`` seconds. Returns True when every point reached MLflow."""
+        if self._thread is None:
+            return self.poll()
+        self._drain_timeout = drain_timeout
+        self._stop.set()
+        self._thread.join(drain_timeout + 30 * self.interval + 5)
+        alive = self._thread.is_alive()
+        self._thread = None
+        if alive or self.pending:
+            print(f"[mlflow] {len(self.pending)} metric points could not be sent to {self.run_id}; "
+                  f"they stay in {self.path}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def __enter__(self) -> "MetricsFollower":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def log_model_folder(model_dir: Path, registered_name: str | None, alias: str | None) -> str | None:

@@ -106,10 +106,21 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
         if crawl_cfg.seed_urls:
             result = crawl(crawl_cfg, crawl_dir)
         else:
-            with PydocSite() as site:
+            # The site keeps its address (or, when that port is taken, its recorded
+            # identity through site_aliases) between runs, so a refresh finds its pages unchanged.
+            with PydocSite(identity_file=crawl_dir / PydocSite.IDENTITY_FILE) as site:
                 # The documentation server runs on this machine for this job alone:
                 # no politeness gap is owed to it.
-                cfg = crawl_cfg.model_copy(update={"seed_urls": [site.url], "per_host_delay_s": 0.0})
+                cfg = crawl_cfg.model_copy(
+                    update={
+                        "seed_urls": [site.url],
+                        "per_host_delay_s": 0.0,
+                        "site_aliases": {**crawl_cfg.site_aliases, **site.aliases},
+                        # Test suites, IDE internals and codec tables are slow to render and
+                        # teach little; a user's own patterns replace these.
+                        "exclude_url_patterns": crawl_cfg.exclude_url_patterns or list(PydocSite.LOW_VALUE_PAGES),
+                    }
+                )
                 print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)
                 result = crawl(cfg, crawl_dir)
         report = result.to_dict()
@@ -124,9 +135,13 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
         mlflow.log_dict(report, "crawl_report.json")
         print(f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
               f"{len(result.warc_paths)} WARC files", flush=True)
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time()}))
-    os.replace(tmp, marker)
+    if result.pages_fetched + result.pages_not_modified == 0:
+        # Nothing answered (a site down, robots.txt unreachable): not done, the next run crawls again.
+        print(f"[data] crawl    got no page ({dict(result.skipped)}); not marked done", flush=True)
+    else:
+        tmp = marker.with_name(marker.name + ".tmp")
+        tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time()}))
+        os.replace(tmp, marker)
     # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
     return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
 
@@ -167,11 +182,21 @@ def langid_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
 
 @_step_task("quality")
 def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    return _recorded_step("quality", {"quality": cfg.model_dump()}, lambda: steps.quality_step(upstream, work_dir, cfg))
+    def log_classifier(result: StepResult) -> None:
+        """The fastText classifier used (given, trained or reused) and, when trained, its accuracy."""
+        if "classifier" in result.extra:
+            mlflow.set_tags({"crawl2chat.quality_classifier": result.extra["classifier"],
+                             "crawl2chat.quality_classifier_model": result.extra["model"]})
+            mlflow.log_metrics({f"classifier.{k}": float(v) for k, v in result.extra.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+    return _recorded_step("quality", {"quality": cfg.model_dump()},
+                          lambda: steps.quality_step(upstream, work_dir, cfg), log_classifier)
 
 
 @_step_task("dedup")
-def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str]) -> StepResult:
+def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str],
+               previous_shards: Sequence[str] = ()) -> StepResult:
     def log_stats(result: StepResult) -> None:
         stats = result.extra.get("dedup", {})
         mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
@@ -179,8 +204,10 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
                                                      key=lambda kv: int(kv[0]))}
         plot_bars(sizes, "dedup: clusters by size", "dedup_cluster_sizes.png")
 
-    return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index)},
-                          lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index), log_stats)
+    return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index),
+                                    "previous_shards": len(previous_shards)},
+                          lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index, previous_shards),
+                          log_stats)
 
 
 @_step_task("balance")

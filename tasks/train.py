@@ -1,15 +1,17 @@
 """Prefect tasks of the training stages: prepare on the host, launch under Accelerate, record.
 
-A training stage runs as ``accelerate launch -m crawl2chat.stages.<stage>`` in a
+A training stage runs as ``accelerate launch -m crawl2chat.stages.training.<stage>`` in a
 subprocess (one process, DDP or FSDP as configured), so the distributed job owns
 its processes while this task streams its log, follows ``OUT/metrics.jsonl`` into
-MLflow as it grows, and at the end logs the summary, the Hugging Face model
+MLflow as it grows (a thread polling every second; an MLflow outage buffers the
+points and never stops training), and at the end logs the summary, the Hugging Face model
 folder, and registers the model with lineage tags.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -82,26 +84,29 @@ def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_ste
         raise StageFailed(stage, failure["kind"], failure["message"], e.log_path) from e
 
 
-def _progress_printer(stage: str, follower: MetricsFollower | None, every: int = 20) -> Callable[[str], None]:
-    """Echo the script's own lines with a stage prefix, and follow the metrics file."""
-    count = {"n": 0}
+def _progress_printer(stage: str) -> Callable[[str], None]:
+    """Echo the script's own lines with a stage prefix (the metrics file is followed
+    by a :class:`MetricsFollower` thread, not from here)."""
 
     def on_line(line: str) -> None:
-        count["n"] += 1
         # The closing JSON summary is printed by the task in a line of its own.
         if line.strip() and not line.startswith("{"):
             print(f"[{stage}] {line}", flush=True)
-        if follower and count["n"] % every == 0:
-            follower.poll()
 
     return on_line
+
+
+def _figures(summary: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a summary (a figure that could not be measured is no metric)."""
+    return {k: float(v) for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def log_evaluation(result: dict) -> dict[str, float]:
     """Evaluation figures as ``eval.*`` metrics, generations as a table, the whole as JSON."""
     flat = {f"eval.{section}.{key}": float(value)
             for section in ("lm", "mc", "policy") for key, value in (result.get(section) or {}).items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
     mlflow.log_metrics(flat)
     if result.get("split"):  # which documents were evaluated: the model's held-out split, or "all"
         mlflow.set_tag("crawl2chat.eval_split", result["split"])
@@ -162,14 +167,14 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
     config_file = run_dir / f"{stage}_config.yaml"
     config_file.write_text(yaml.safe_dump(settings, sort_keys=False))
     with stage_run(stage, {stage: settings, **inputs, **(params or {})}, tags=lineage) as run:
-        follower = MetricsFollower(run_dir / "metrics.jsonl", run.info.run_id)
         log_data_inputs(inputs, identities)
         mlflow.set_tag("crawl2chat.run_key", run_dir.name)
-        launch(str(config_file), _progress_printer(stage, follower), str(run_dir))
-        follower.poll()
+        # Step metrics reach MLflow while the run trains, each with its own step and time;
+        # a tracking outage buffers them and never stops the training.
+        with MetricsFollower(run_dir / "metrics.jsonl", run.info.run_id):
+            launch(str(config_file), _progress_printer(stage), str(run_dir))
         summary = json.loads((run_dir / "metrics.json").read_text())
-        mlflow.log_metrics({k: float(v) for k, v in summary.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        mlflow.log_metrics(_figures(summary))
         mlflow.log_artifact(str(run_dir / "metrics.json"))
         if summary.get("split"):  # the held-out split the stage made (pretraining)
             mlflow.set_tag("crawl2chat.split", summary["split"])
@@ -193,8 +198,7 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
                 mlflow.set_tag("crawl2chat.eval_error", f"{type(e).__name__}: {e}"[:5000])
                 print(f"[{stage}] evaluation failed: {type(e).__name__}: {e}", flush=True)
         log_record(STAGES[stage].goal, settings, {**inputs, **(params or {})},
-                   {k: v for k, v in {**summary, **summary.get("eval", {})}.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                   _figures({**summary, **summary.get("eval", {})}))
     summary["tracking_uri"] = mlflow.get_tracking_uri()
     # Written last and renamed into place: its presence means trained and recorded.
     tmp = run_dir / f".{DONE_FILE}.tmp"

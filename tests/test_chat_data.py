@@ -41,7 +41,7 @@ def test_preference_shapes_and_bad_rows(tmp_path):
         f.write("\n".join(json.dumps(r) for r in rows) + "\n[1, 2]\n{broken\n")
     pairs, skipped = load_preferences(p)
     assert [x["chosen"] for x in pairs] == ["good", "a", "yes"]
-    assert pairs[1]["margin"] == 1.5 and pairs[0]["margin"] == 0.0
+    assert pairs[1]["margin"] == 1.5 and pairs[0]["margin"] is None  # None: the reward model's setting applies
     assert pairs[2]["prompt"] == [{"role": "user", "content": "q3"}] and pairs[2]["rejected"] == "no"
     assert skipped == {"transcripts_diverge": 1, "identical_pair": 1, "empty_field": 1, "bad_margin": 1,
                        "unknown_format": 1, "bad_json": 2}

@@ -42,3 +42,32 @@ def test_unreadable_or_invalid_yaml_is_a_config_error(tmp_path):
     bad.write_text("data: [unclosed\n")
     with pytest.raises(SettingsError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_an_override_can_switch_a_rule_off_with_null():
+    cfg = load_config(overrides=dict([parse_override("data.quality.c4.min_sentences=null")]))
+    assert cfg.data.quality.c4.min_sentences is None
+
+
+def test_every_run_preset_is_a_valid_overlay():
+    from crawl2chat.stages.settings import RUN_PRESETS
+
+    for name, (expected, overlay) in RUN_PRESETS.items():
+        cfg = load_config(overrides=overlay)
+        assert expected
+        for key, value in overlay.items():
+            node = cfg
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert node == value, (name, key)
+
+
+def test_docs_profile_changes_only_settings_left_at_their_defaults():
+    from crawl2chat.stages.settings import DOCS_PROFILE, DataConfig, apply_profile
+
+    data, changed = apply_profile(DataConfig.model_validate({"langid": {"min_score": 0.9}}), embedded_site=True)
+    assert data.profile == "docs" and data.langid.min_score == 0.9 and "langid.min_score" not in changed
+    assert set(changed) == set(DOCS_PROFILE) - {"langid.min_score"}
+    assert data.quality.c4.min_sentences is None and data.quality.fineweb.enabled is False
+    web, none = apply_profile(DataConfig(), embedded_site=False)
+    assert web.profile == "web" and none == {} and web.quality.fineweb.enabled

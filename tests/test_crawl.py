@@ -3,21 +3,46 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import gzip
 import hashlib
 import io
 import json
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import tracemalloc
+import zlib
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 from aiohttp import web
+from aiohttp.abc import AbstractResolver
 from warcio.archiveiterator import ArchiveIterator
 
-from crawl2chat.stages.data.crawl import CrawlResult, RotatingWarcWriter, crawl, extract_links, normalize_url
-from crawl2chat.stages.data.settings import CrawlConfig
+from crawl2chat.stages.data import crawl as crawl_module
+from crawl2chat.stages.data.crawl import (
+    AddressPolicy,
+    BlockedAddressError,
+    BodyDecoder,
+    Crawler,
+    CrawlResult,
+    CrawlScope,
+    PolicyResolver,
+    RotatingWarcWriter,
+    crawl,
+    extract_links,
+    is_public_address,
+    parse_retry_after,
+)
 from crawl2chat.stages.data.local_site import PydocSite
+from crawl2chat.stages.data.settings import CrawlConfig
+from crawl2chat.stages.data.urls import normalize_url
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,7 +140,7 @@ def mixed_site(other_host, tmp_path_factory):
 
     async def home(request: web.Request) -> web.Response:
         return html(
-            "/a#section", "a", "/private/secret", "/redir/start", "/loop", "/missing", "/boom",
+            "/a#section", "a", "/private/secret", "/redir/start", "/loop/0", "/self", "/missing", "/boom",
             "/slow", "/data.json", "/big", "/plain.txt", offsite, "mailto:someone@example.org",
             "javascript:void(0)", "/gz",
         )
@@ -136,7 +161,11 @@ def mixed_site(other_host, tmp_path_factory):
         return html(text="<p>Landed after two redirects.</p>")
 
     async def loop(request: web.Request) -> web.Response:
-        raise web.HTTPFound("/loop")
+        # An endless chain of distinct URLs: only the redirect cap ends it.
+        raise web.HTTPFound(f"/loop/{int(request.match_info['n']) + 1}")
+
+    async def self_redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/self")
 
     async def gz(request: web.Request) -> web.Response:
         response = html("/gz-child", text="<p>Sent gzip-compressed.</p>")
@@ -165,7 +194,8 @@ def mixed_site(other_host, tmp_path_factory):
     routes = [
         web.get("/robots.txt", robots), web.get("/", home), web.get("/a", page_a),
         web.get("/private/secret", secret), web.get("/redir/start", redir_start),
-        web.get("/redir/hop", redir_hop), web.get("/landing", landing), web.get("/loop", loop),
+        web.get("/redir/hop", redir_hop), web.get("/landing", landing), web.get("/loop/{n}", loop),
+        web.get("/self", self_redirect),
         web.get("/boom", boom), web.get("/slow", slow), web.get("/data.json", data),
         web.get("/big", big), web.get("/plain.txt", plain), web.get("/gz", gz), web.get("/gz-child", gz_child),
     ]
@@ -188,8 +218,11 @@ def test_redirects_followed_and_loop_capped(mixed_site):
     assert server.url + "/landing" in result.changed_urls
     assert result.skipped["redirect_limit"] == 1
     # max_redirects=3: the first request plus three hops, then the crawler gives up.
-    assert server.paths().count("/loop") == 4
-    assert (server.url + "/loop", "redirect_limit") in result.errors
+    assert [p for p in server.paths() if p.startswith("/loop/")] == ["/loop/0", "/loop/1", "/loop/2", "/loop/3"]
+    assert (server.url + "/loop/0", "redirect_limit") in result.errors
+    # A redirect back to a URL the crawl already has is not fetched again.
+    assert server.paths().count("/self") == 1
+    assert result.skipped["redirect_seen"] == 1
 
 
 def test_http_errors_and_timeout_counted(mixed_site):
@@ -355,8 +388,8 @@ def test_per_host_delay_measured_by_server(tmp_path):
 
 def test_robots_crawl_delay_wins_over_configured_delay(tmp_path):
     async def robots(request: web.Request) -> web.Response:
-        # urllib.robotparser reads whole seconds only.
-        return web.Response(text="User-agent: crawl2chat\nCrawl-delay: 1\nDisallow:\n")
+        # Fractions of a second are honoured.
+        return web.Response(text="User-agent: crawl2chat\nCrawl-delay: 0.6\nDisallow:\n")
 
     async def page(request: web.Request) -> web.Response:
         return html("/1")
@@ -365,12 +398,12 @@ def test_robots_crawl_delay_wins_over_configured_delay(tmp_path):
         result = crawl(quick_config(server.url + "/", per_host_delay_s=0.01), tmp_path)
         starts = [t for path, t in server.requests if path != "/robots.txt"]
     assert result.pages_fetched == 2
-    assert starts[1] - starts[0] >= 1.0
+    assert starts[1] - starts[0] >= 0.6
 
 
 def test_failing_robots_disallows_the_site(tmp_path):
     async def robots(request: web.Request) -> web.Response:
-        raise web.HTTPServiceUnavailable()
+        raise web.HTTPInternalServerError()
 
     async def page(request: web.Request) -> web.Response:
         return html()
@@ -440,3 +473,486 @@ def test_pydoc_site_crawl(tmp_path):
     assert len(module_pages) >= 10
     index = responses[titles.index("Pydoc: Index of Modules")]
     assert b"builtins" in index and b"sys" in index
+
+
+# ----------------------------------------------------------------------------- robots.txt (RFC 9309)
+
+
+def test_gzip_compressed_robots_txt_is_obeyed(tmp_path):
+    """A robots.txt sent with Content-Encoding: gzip is decompressed before it is parsed."""
+
+    async def robots(request: web.Request) -> web.Response:
+        body = gzip.compress(b"User-agent: *\nDisallow: /private/\n")
+        return web.Response(body=body, headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"})
+
+    async def page(request: web.Request) -> web.Response:
+        return html("/private/secret", "/ok", text="<p>home</p>")
+
+    routes = [web.get("/robots.txt", robots), web.get("/{tail:.*}", page)]
+    with LocalServer(routes) as server:
+        result = crawl(quick_config(server.url + "/"), tmp_path)
+    assert "/private/secret" not in server.paths()
+    assert "/ok" in server.paths()
+    assert result.skipped == {"robots": 1}
+
+
+RFC_ROBOTS = """\
+User-agent: crawl2chat
+Crawl-delay: 0.3
+Allow: /
+Disallow: /private/
+Disallow: /*.gif$
+Allow: /page
+Disallow: /*.html
+Allow: /folder
+Disallow: /folder
+
+User-agent: *
+Disallow: /
+"""
+
+
+def test_robots_matching_follows_rfc_9309(tmp_path):
+    """Longest match wins whatever the order, * and $ wildcards, Allow wins a tie; the own group wins over *."""
+    allowed = ["/", "/img.gif?v=1", "/page", "/folder/x", "/plain"]
+    disallowed = ["/private/a", "/img.gif", "/page.html", "/other.html"]
+
+    async def robots(request: web.Request) -> web.Response:
+        return web.Response(text=RFC_ROBOTS)
+
+    async def page(request: web.Request) -> web.Response:
+        return html(*(allowed + disallowed)) if request.path == "/" else html()
+
+    routes = [web.get("/robots.txt", robots), web.get("/{tail:.*}", page)]
+    with LocalServer(routes) as server:
+        result = crawl(quick_config(server.url + "/", per_host_concurrency=2), tmp_path)
+        starts = [t for path, t in server.requests if path != "/robots.txt"]
+    assert sorted(p for p in server.paths() if p != "/robots.txt") == sorted(allowed)
+    assert result.pages_fetched == len(allowed)
+    assert result.skipped == {"robots": len(disallowed)}
+    # Crawl-delay 0.3 from the crawler's own group, fractions honoured.
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 0.3
+
+
+def test_robots_redirect_followed_on_the_same_host_only(tmp_path):
+    async def page(request: web.Request) -> web.Response:
+        return html("/x", "/y")
+
+    with LocalServer([web.get("/{tail:.*}", page)]) as elsewhere:
+        port = elsewhere.url.rsplit(":", 1)[1]
+
+        async def moved_robots(request: web.Request) -> web.Response:
+            raise web.HTTPMovedPermanently("/rules.txt")
+
+        async def rules(request: web.Request) -> web.Response:
+            return web.Response(text="User-agent: *\nDisallow: /x\n")
+
+        same_host = [web.get("/robots.txt", moved_robots), web.get("/rules.txt", rules), web.get("/{tail:.*}", page)]
+        with LocalServer(same_host) as server:
+            result = crawl(quick_config(server.url + "/"), tmp_path / "same")
+        assert "/x" not in server.paths() and "/y" in server.paths()
+        assert result.skipped == {"robots": 1}
+
+        async def robots_elsewhere(request: web.Request) -> web.Response:
+            raise web.HTTPFound(f"http://localhost:{port}/robots.txt")
+
+        with LocalServer([web.get("/robots.txt", robots_elsewhere), web.get("/{tail:.*}", page)]) as server:
+            result = crawl(quick_config(server.url + "/"), tmp_path / "other")
+        # The redirect to another host is not followed: the rules are unknown, the site is off limits.
+        assert server.paths() == ["/robots.txt"]
+        assert result.skipped == {"robots_unavailable": 1}
+        assert elsewhere.requests == []
+
+
+# ----------------------------------------------------------------------------- compressed bodies
+
+
+def gzip_bomb(size: int) -> bytes:
+    """``size`` zero bytes, gzipped (about 1000:1), built without holding them in memory."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    block = bytes(1 << 20)
+    parts = [packer.compress(block) for _ in range(size >> 20)]
+    return b"".join(parts) + packer.flush()
+
+
+def test_decompression_bomb_is_cut_off(tmp_path):
+    bomb = gzip_bomb(50 << 20)
+    assert len(bomb) < 100_000
+
+    async def home(request: web.Request) -> web.Response:
+        return html("/bomb", "/fine")
+
+    async def bomb_page(request: web.Request) -> web.Response:
+        return web.Response(body=bomb, headers={"Content-Encoding": "gzip", "Content-Type": "text/html"})
+
+    async def fine(request: web.Request) -> web.Response:
+        response = html("/child", text="<p>" + "small compressed page " * 20 + "</p>")
+        response.enable_compression(web.ContentCoding.gzip)
+        return response
+
+    routes = [web.get("/", home), web.get("/bomb", bomb_page), web.get("/fine", fine), web.get("/child", home)]
+    with LocalServer(routes) as server:
+        cfg = quick_config(server.url + "/", respect_robots=False, max_page_bytes=200_000)
+        tracemalloc.start()
+        started = time.monotonic()
+        try:
+            result = crawl(cfg, tmp_path)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        elapsed = time.monotonic() - started
+    # The compressed body (~50 KB) is under the limit; what it expands to is not.
+    assert result.skipped == {"too_large": 1}
+    assert (server.url + "/bomb", "too_large") in result.errors
+    assert peak < 20 << 20, f"peak Python memory {peak / 2**20:.1f} MiB while 50 MiB were on offer"
+    assert elapsed < 10
+    stored = {uri for kind, uri, _, _ in warc_records(result) if kind == "response"}
+    assert stored == {server.url + p for p in ("/", "/fine", "/child")}  # links read from a gzip page
+
+
+def test_body_decoder_bounds_and_formats():
+    body = b"<p>hello</p>" * 100
+    for encoded, encoding in [
+        (gzip.compress(body), "gzip"),
+        (zlib.compress(body), "deflate"),
+        (zlib.compress(body)[2:-4], "deflate"),  # raw deflate, as some servers send it
+        (gzip.compress(body[:600]) + gzip.compress(body[600:]), "gzip"),  # two gzip members
+        (body, ""),
+    ]:
+        decoder = BodyDecoder(encoding, limit=10_000)
+        for i in range(0, len(encoded), 7):
+            decoder.feed(encoded[i : i + 7])
+        decoder.finish()
+        assert (decoder.output() if encoding else body) == body, encoding
+    small = BodyDecoder("gzip", limit=100)
+    small.feed(gzip_bomb(1 << 20))
+    assert small.overflow and len(small.output()) == 101
+    truncated = BodyDecoder("gzip", limit=10_000)
+    truncated.feed(gzip.compress(body)[:-10])
+    with pytest.raises(ValueError):
+        truncated.finish()
+    with pytest.raises(ValueError):
+        BodyDecoder("br", limit=10)
+
+
+# ----------------------------------------------------------------------------- scope and addresses
+
+
+def test_scope_is_the_seed_origin_port_included(tmp_path):
+    """A seed on 127.0.0.1:A does not reach another local service on 127.0.0.1:B unless allowed_domains says so."""
+
+    async def other(request: web.Request) -> web.Response:
+        return html(text="<p>another local service</p>")
+
+    with LocalServer([web.get("/{tail:.*}", other)]) as service:
+        port_b = service.url.rsplit(":", 1)[1]
+
+        async def home(request: web.Request) -> web.Response:
+            return html(
+                f"http://127.0.0.1:{port_b}/api", f"http://localhost:{port_b}/", "https://127.0.0.1/",
+                "http://169.254.169.254/latest/meta-data/", "/own",
+            )
+
+        with LocalServer([web.get("/", home), web.get("/own", other)]) as server:
+            narrow = crawl(quick_config(server.url + "/", respect_robots=False), tmp_path / "narrow")
+            assert service.requests == []
+            assert narrow.pages_fetched == 2
+            assert narrow.skipped == {"off_domain": 4}
+
+            widened = quick_config(server.url + "/", respect_robots=False, allowed_domains=[f"127.0.0.1:{port_b}"])
+            wide = crawl(widened, tmp_path / "wide")
+        assert service.paths() == ["/api"]
+        assert wide.pages_fetched == 3
+        assert wide.skipped == {"off_domain": 3}
+
+
+def test_scope_rules():
+    scope = CrawlScope(["http://example.org/"], ["docs.example.com", "api.example.net:8443", "[::1]:8080"])
+    assert scope.allows("http://example.org/a")
+    assert scope.allows("https://example.org/a")  # the upgrade to https on its default port
+    assert not scope.allows("http://example.org:8080/")
+    assert not scope.allows("http://www.example.org/")  # seeds admit their own host only
+    assert scope.allows("https://docs.example.com/") and scope.allows("http://v2.docs.example.com/x")
+    assert not scope.allows("http://docs.example.com:9000/")
+    assert scope.allows("https://api.example.net:8443/") and not scope.allows("https://api.example.net/")
+    assert scope.allows("http://[::1]:8080/") and not scope.allows("http://[::1]:8081/")
+    local = CrawlScope(["http://127.0.0.1:8000/"], [])
+    assert local.allows("http://127.0.0.1:8000/x")
+    assert not local.allows("http://127.0.0.1:5000/") and not local.allows("https://127.0.0.1:8000/")
+    assert CrawlConfig(allowed_domains=["Example.ORG.", "h.example.org:81", "[::1]:8080"]).allowed_domains == [
+        "example.org", "h.example.org:81", "[::1]:8080"
+    ]
+    for bad in ["http://example.org", "example.org/path", "example.org:http", "example.org:0", "user@example.org", ""]:
+        with pytest.raises(ValueError):
+            CrawlConfig(allowed_domains=[bad])
+    with pytest.raises(ValueError):
+        CrawlConfig(site_aliases={"http://127.0.0.1:1/path": "http://127.0.0.1:2"})
+
+
+def test_address_policy_of_a_public_seed():
+    """No network: the policy a crawl of public seeds runs under."""
+    policy = AddressPolicy()
+    for public in ["93.184.216.34", "8.8.8.8", "2606:4700:4700::1111"]:
+        assert policy.allows(public), public
+    for private in [
+        "127.0.0.1", "127.1.2.3", "10.0.0.1", "172.16.5.4", "192.168.1.1", "169.254.169.254", "100.64.0.1",
+        "0.0.0.0", "224.0.0.1", "255.255.255.255", "::1", "::", "fe80::1", "fe80::1%eth0", "fc00::1", "fd12::3",
+        "::ffff:127.0.0.1", "::ffff:169.254.169.254", "64:ff9b::a9fe:a9fe", "2002:a9fe:a9fe::1", "not an address",
+    ]:
+        assert not policy.allows(private), private
+        assert not is_public_address(private), private
+    # A seed on a non-public address admits exactly that address, nothing else non-public.
+    local = asyncio.run(AddressPolicy.for_hosts(["127.0.0.1"]))
+    assert local.allows("127.0.0.1") and local.allows("::ffff:127.0.0.1") and local.allows("8.8.8.8")
+    assert not local.allows("127.0.0.2") and not local.allows("169.254.169.254") and not local.allows("10.0.0.1")
+    # The socket factory refuses before a socket exists.
+    with pytest.raises(BlockedAddressError):
+        policy.socket_factory((socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", 80)))
+
+
+def test_resolver_drops_non_public_answers():
+    """No network: a name that resolves (or re-resolves, DNS rebinding) to a private address is refused."""
+
+    class FakeResolver(AbstractResolver):
+        def __init__(self, answers: list[str]) -> None:
+            self.answers = answers
+
+        async def resolve(self, host, port=0, family=socket.AF_INET):  # type: ignore[no-untyped-def]
+            return [
+                {"hostname": host, "host": a, "port": port, "family": family, "proto": 0, "flags": 0}
+                for a in self.answers
+            ]
+
+        async def close(self) -> None:
+            pass
+
+    async def resolve(answers: list[str]) -> list[str]:
+        resolver = PolicyResolver(AddressPolicy(), inner=FakeResolver(answers))
+        return [a["host"] for a in await resolver.resolve("rebind.example.org", 80)]
+
+    assert asyncio.run(resolve(["169.254.169.254", "93.184.216.34"])) == ["93.184.216.34"]
+    with pytest.raises(BlockedAddressError):
+        asyncio.run(resolve(["127.0.0.1", "10.1.1.1"]))
+
+
+def test_crawl_under_a_public_policy_never_connects_to_loopback(tmp_path, monkeypatch):
+    """The whole request path with the policy of a public seed: the local server sees no connection."""
+
+    async def public_only(cls, hosts):  # type: ignore[no-untyped-def]
+        return cls()
+
+    async def page(request: web.Request) -> web.Response:
+        return html()
+
+    monkeypatch.setattr(crawl_module.AddressPolicy, "for_hosts", classmethod(public_only))
+    with LocalServer([web.get("/{tail:.*}", page)]) as server:
+        result = crawl(quick_config(server.url + "/", respect_robots=False), tmp_path)
+        assert server.requests == []
+    assert result.skipped == {"blocked_address": 1}
+    assert result.errors == [(server.url + "/", "blocked_address")]
+
+
+# ----------------------------------------------------------------------------- politeness
+
+
+def test_one_gate_per_host(tmp_path):
+    crawler = Crawler(CrawlConfig(seed_urls=["http://h.example.org/"]), tmp_path)
+    assert crawler._gate("http://h.example.org/") is crawler._gate("https://h.example.org:8443/x")
+    assert crawler._gate("http://h.example.org/") is not crawler._gate("http://other.example.org/")
+
+
+def test_two_ports_of_one_host_share_the_politeness_gap(tmp_path):
+    async def leaf(request: web.Request) -> web.Response:
+        return html()
+
+    with LocalServer([web.get("/{tail:.*}", leaf)]) as second:
+        port_b = second.url.rsplit(":", 1)[1]
+
+        async def home(request: web.Request) -> web.Response:
+            return html(*[f"/a{i}" for i in range(4)], *[f"{second.url}/b{i}" for i in range(4)])
+
+        with LocalServer([web.get("/", home), web.get("/{tail:.*}", leaf)]) as first:
+            cfg = quick_config(
+                first.url + "/", allowed_domains=[f"127.0.0.1:{port_b}"], per_host_concurrency=1,
+                per_host_delay_s=0.1, global_concurrency=8,
+            )
+            result = crawl(cfg, tmp_path)
+            starts = sorted(t for server in (first, second) for _, t in server.requests)
+    assert result.pages_fetched == 9
+    assert len(starts) == 11  # two robots.txt + nine pages
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 0.1
+
+
+def test_retry_after_honoured_and_bounded(tmp_path):
+    calls: dict[str, int] = {}
+
+    async def home(request: web.Request) -> web.Response:
+        return html("/slow-down", "/busy", "/always-busy", "/come-back-tomorrow")
+
+    async def answer(request: web.Request) -> web.Response:
+        n = calls[request.path] = calls.get(request.path, 0) + 1
+        if request.path == "/slow-down" and n == 1:
+            return web.Response(status=429, headers={"Retry-After": "1"})
+        if request.path == "/busy" and n == 1:
+            when = email.utils.format_datetime(datetime.now(timezone.utc) + timedelta(seconds=2), usegmt=True)
+            return web.Response(status=503, headers={"Retry-After": when})
+        if request.path == "/always-busy":
+            return web.Response(status=503, headers={"Retry-After": "0"})
+        if request.path == "/come-back-tomorrow":
+            return web.Response(status=429, headers={"Retry-After": "86400"})
+        return html(text=f"<p>{request.path} at last</p>")
+
+    routes = [web.get("/", home), web.get("/{tail:.+}", answer)]
+    with LocalServer(routes) as server:
+        cfg = quick_config(
+            server.url + "/", respect_robots=False, per_host_concurrency=1, max_retries=2, retry_backoff_s=0.1,
+            max_retry_wait_s=2.5, global_concurrency=1,
+        )
+        result = crawl(cfg, tmp_path)
+        log = list(server.requests)
+
+    def starts(path: str) -> list[float]:
+        return [t for p, t in log if p == path]
+
+    slow, busy = starts("/slow-down"), starts("/busy")
+    assert len(slow) == 2 and slow[1] - slow[0] >= 1.0
+    # The host as a whole waits: nothing else started during the Retry-After.
+    assert not [t for _, t in log if slow[0] < t < slow[0] + 0.99]
+    assert len(busy) == 2 and busy[1] - busy[0] >= 1.0  # an HTTP date 2 s ahead (1 s resolution)
+    assert len(starts("/always-busy")) == 3  # the first request and max_retries=2 retries
+    assert len(starts("/come-back-tomorrow")) == 1  # asks for more than max_retry_wait_s
+    assert result.pages_fetched == 3
+    assert result.skipped == {"http_503": 1, "http_429": 1}
+
+
+def test_parse_retry_after():
+    now = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+    assert parse_retry_after("120", now) == 120.0
+    assert parse_retry_after("Thu, 01 Jan 2026 12:00:30 GMT", now) == 30.0
+    assert parse_retry_after("Thu, 01 Jan 2026 11:00:00 GMT", now) == 0.0
+    assert parse_retry_after("soon", now) is None and parse_retry_after(None, now) is None
+    assert parse_retry_after("-5", now) is None
+
+
+def test_redirect_to_an_already_fetched_page_is_not_fetched_again(tmp_path):
+    async def home(request: web.Request) -> web.Response:
+        return html("/landing", "/old-address")
+
+    async def landing(request: web.Request) -> web.Response:
+        return html(text="<p>the landing page</p>")
+
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPMovedPermanently("/landing")
+
+    routes = [web.get("/", home), web.get("/landing", landing), web.get("/old-address", moved)]
+    with LocalServer(routes) as server:
+        result = crawl(quick_config(server.url + "/", respect_robots=False, global_concurrency=1), tmp_path)
+    assert server.paths() == ["/", "/landing", "/old-address"]
+    assert result.pages_fetched == 2
+    assert result.skipped == {"redirect_seen": 1}
+
+
+# ----------------------------------------------------------------------------- a killed crawl
+
+
+KILLABLE_CRAWL = """
+import sys
+from crawl2chat.stages.data.crawl import crawl
+from crawl2chat.stages.data.settings import CrawlConfig
+crawl(CrawlConfig.model_validate_json(sys.argv[1]), sys.argv[2])
+"""
+
+
+def test_killed_crawl_loses_no_page(tmp_path):
+    """SIGKILL mid-crawl, then the same crawl again: every page's text is in a response record."""
+    texts = {f"/p{i}": f"Page {i} carries the marker token{i:04d}z." for i in range(100)}
+
+    async def home(request: web.Request) -> web.Response:
+        return html(*texts)
+
+    async def page(request: web.Request) -> web.Response:
+        return html(text=f"<p>{texts[request.path]}</p>")
+
+    routes = [web.get("/", home), web.get("/p{n:\\d+}", page)]
+    out_dir = tmp_path / "crawl"
+    with LocalServer(routes) as server:
+        cfg = quick_config(
+            server.url + "/", respect_robots=False, per_host_concurrency=1, per_host_delay_s=0.02,
+            checkpoint_pages=10, max_pages=1000,
+        )
+        proc = subprocess.Popen([sys.executable, "-c", KILLABLE_CRAWL, cfg.model_dump_json(), str(out_dir)])
+        try:
+            deadline = time.monotonic() + 90
+            while len(server.requests) < 60 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == -signal.SIGKILL, "the crawl ended before it could be killed"
+        killed_at = len(server.requests)
+        committed = json.loads((out_dir / "crawl_state.json").read_text())
+        assert 50 <= len(committed) <= killed_at <= 101  # checkpoints every 10 pages; pages since then unsaved
+        rerun = crawl(cfg, out_dir)
+
+    responses: dict[str, bytes] = {}
+    for path in sorted((out_dir / "warc").glob("*.warc.gz")):
+        with open(path, "rb") as fh:
+            for record in ArchiveIterator(fh):
+                if record.rec_type == "response":
+                    responses[record.rec_headers.get_header("WARC-Target-URI")] = record.content_stream().read()
+    for path, text in texts.items():
+        assert text.encode() in responses.get(server.url + path, b""), path
+    assert rerun.pages_fetched == 101
+    # Pages the killed crawl had committed are unchanged revisits; the others are stored now.
+    assert sorted(rerun.changed_urls) == sorted(set(responses) - set(committed))
+    assert not [p for p in out_dir.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_crawl_that_got_nothing_is_not_marked_done(tmp_path):
+    """The data stage's crawl task: a site that is down leaves no done marker, so the next run crawls again."""
+    import mlflow
+
+    from crawl2chat.tasks.data import CRAWL_MARKER, crawl_task
+
+    with LocalServer([]) as server:
+        dead_url = server.url + "/"
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        cfg = quick_config(dead_url)
+        assert crawl_task.fn(cfg, str(tmp_path / "out")) == []
+        assert not (tmp_path / "out" / "crawl" / CRAWL_MARKER).exists()
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+# ----------------------------------------------------------------------------- the embedded site's identity
+
+
+def test_embedded_site_keeps_its_identity_between_crawls(tmp_path):
+    """Re-crawls of the pydoc site into one folder find every page unchanged, even when its port was taken."""
+    identity = tmp_path / "crawl" / PydocSite.IDENTITY_FILE
+    out_dir = tmp_path / "crawl"
+
+    def crawl_site() -> tuple[PydocSite, CrawlResult]:
+        with PydocSite(identity_file=identity) as site:
+            cfg = quick_config(site.url, max_pages=12, site_aliases=site.aliases)
+            return site, crawl(cfg, out_dir)
+
+    first_site, first = crawl_site()
+    assert first.pages_fetched == 12 and len(first.changed_urls) == 12
+    second_site, second = crawl_site()
+    assert second_site.url == first_site.url and second_site.aliases == {}  # the same port, free again
+    port = int(first_site.url.rsplit(":", 1)[1].strip("/"))
+    with socket.socket() as squatter:  # another program on the recorded port
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port may still be in TIME_WAIT
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        third_site, third = crawl_site()
+    assert third_site.url != first_site.url and third_site.site_url == first_site.url
+    for again in (second, third):
+        assert again.pages_fetched == 12 and again.changed_urls == []
+        records = warc_records(again)
+        # Recorded under the stable address: revisits of the first crawl's captures, no new text.
+        assert sorted(uri for kind, uri, _, _ in records if kind == "revisit") == sorted(first.changed_urls)
+    state = json.loads((out_dir / "crawl_state.json").read_text())
+    assert set(state) == set(first.changed_urls)

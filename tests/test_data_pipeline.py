@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import io
 import json
+import random
+import shutil
+import uuid
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from warcio.statusandheaders import StatusAndHeaders
+from warcio.warcwriter import WARCWriter
 
 from crawl2chat.stages.settings import load_config
 from crawl2chat.stages.data import pipeline as steps
 from crawl2chat.stages.data.versions import shard_files
 from crawl2chat.stages.data.review import write_review
-from crawl2chat.stages.data.warc_input import list_input_files
+from crawl2chat.stages.data.warc_input import WarcReader, list_input_files
 
 SHARD_COLUMNS = {"id", "url", "text", "lang", "lang_score", "quality_score", "source"}
 
@@ -110,3 +117,140 @@ def test_nothing_usable_fails_with_one_sentence(shared_data, ray_local, tmp_path
         run_all(cfg, files, tmp_path)
     message = str(err.value)
     assert message.endswith(".") and "\n" not in message
+
+
+def test_quality_step_filters_with_a_plain_fasttext_classifier_on_ray(pipeline_run, tmp_path):
+    """A classifier from plain ``fasttext.train_supervised`` runs in the quality step on Ray workers;
+    replacing the model file reruns the step."""
+    import fasttext
+
+    from crawl2chat.stages.data.fasttext_models import to_line
+    from crawl2chat.stages.data.settings import QualityClassifierConfig
+
+    cfg, _, _, results, _ = pipeline_run
+    identified = results[1]
+    table = pq.read_table(sorted(Path(identified.out_dir).glob("*.parquet")), columns=["text", "lang", "drop_reason"])
+    rows = [r for r in table.to_pylist() if r["drop_reason"] is None and r["text"]]
+    lines = [f"__label__{'keep' if r['lang'] == 'en' else 'other'} {to_line(r['text'], 'whitespace', 2000)}"
+             for r in rows]
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    model = tmp_path / "english.bin"
+    fasttext.train_supervised(input=str(tmp_path / "train.txt"), epoch=20, dim=16, bucket=10_000,
+                              thread=1, verbose=0).save_model(str(model))
+
+    quality = cfg.data.quality.model_copy(update={"classifier": QualityClassifierConfig(
+        enabled=True, model=str(model), label="__label__keep", preprocess="whitespace", max_chars=2000)})
+    work = str(tmp_path / "work")
+    result = steps.quality_step(identified, work, quality)
+    assert result.extra["classifier"] == "given" and result.dropped.get("quality_classifier:below_threshold")
+    kept = pq.read_table(sorted(Path(result.out_dir).glob("*.parquet")),
+                         columns=["lang", "quality_score", "drop_reason"]).to_pylist()
+    kept = [r for r in kept if r["drop_reason"] is None]
+    assert kept and all(r["quality_score"] >= 0.5 for r in kept)
+    assert sum(r["lang"] == "en" for r in kept) >= 0.9 * len(kept)
+
+    assert steps.quality_step(identified, work, quality).skipped
+    model.write_bytes(model.read_bytes())  # same bytes, new file identity (size, mtime)
+    assert not steps.quality_step(identified, work, quality).skipped
+
+
+# -- inputs that repeat each other -------------------------------------------------------
+
+PROSE = (
+    "the river town market people walked along old stone bridge morning light fell across water boats "
+    "carried fish bread and wine from farms in the valley children played near gardens while their parents "
+    "talked about weather prices harvest news letters from cities far away each season brought travellers "
+    "who told stories of mountains forests roads and long winters that shaped the life of every family"
+).split()
+
+
+def page_html(n: int) -> str:
+    """A page of plain English prose (five paragraphs), distinct per ``n``."""
+    rng = random.Random(n)
+    paragraphs = [
+        " ".join(" ".join(rng.choice(PROSE) for _ in range(rng.randint(9, 15))).capitalize() + "." for _ in range(4))
+        for _ in range(5)
+    ]
+    body = "".join(f"<p>{p}</p>" for p in paragraphs)
+    return f"<html><head><title>page {n}</title></head><body>{body}</body></html>"
+
+
+def write_warc(path: Path, pages) -> list[int]:
+    """One gzipped response record per page number, with a fixed record id and date
+    (so the same page written to two files is the same record); returns the offset
+    after each record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ends = []
+    with open(path, "wb") as out:
+        writer = WARCWriter(out, gzip=True)
+        for n in pages:
+            body = page_html(n).encode()
+            http = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
+            record = writer.create_warc_record(
+                f"http://town.example.org/page{n}", "response", payload=io.BytesIO(body), length=len(body),
+                http_headers=http,
+                warc_headers_dict={"WARC-Record-ID": f"<urn:uuid:{uuid.UUID(int=n + 1)}>",
+                                   "WARC-Date": "2024-05-01T00:00:00Z"},
+            )
+            writer.write_record(record)
+            ends.append(out.tell())
+    return ends
+
+
+def shard_rows(out: Path) -> list[dict]:
+    return pq.read_table(shard_files(out), columns=["id", "url", "source", "text"]).to_pylist()
+
+
+def test_records_repeated_across_inputs_are_kept_once(ray_local, tmp_path):
+    inputs = tmp_path / "in"
+    write_warc(inputs / "a.warc.gz", range(5))
+    write_warc(inputs / "b.warc.gz", [2, 3, 5, 6])  # repeats two records of a
+    (inputs / "copy").mkdir()
+    shutil.copy(inputs / "a.warc.gz", inputs / "copy" / "a.warc.gz")  # the same archive under another path
+    files = [str(inputs / "a.warc.gz"), str(inputs / "b.warc.gz"), str(inputs / "copy" / "a.warc.gz"),
+             str(inputs / "a.warc.gz")]  # ... and the same path listed twice
+    out = tmp_path / "data"
+    cfg = load_config(overrides={"data.out": str(out), "data.dedup.num_shards": 4})
+    results, manifest = run_all(cfg, files, out)
+
+    rows = shard_rows(out)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)) == manifest["documents_kept"] == 7
+    assert sorted(r["url"].rsplit("/", 1)[1] for r in rows) == [f"page{n}" for n in range(7)]
+    # Each of a's records is read three times more (b holds two of them): 2 + 5 + 5 repeats.
+    assert manifest["drop_reasons"] == {"dedup:repeated_record": 12}
+    dedup = next(s for s in manifest["steps"] if s["name"] == "dedup")
+    assert dedup["extra"]["dedup"]["repeated_records"] == 12
+    # Equal copies: the smaller source name stays, so pages 2 and 3 come from a, not b.
+    assert {r["url"].rsplit("/", 1)[1]: r["source"] for r in rows if r["url"].endswith(("2", "3"))} == {
+        "page2": "a.warc.gz", "page3": "a.warc.gz"}
+    rejected = pq.read_table(sorted((out / "rejected").glob("*.parquet"))).to_pylist()
+    assert Counter(r["reason"] for r in rejected) == {"dedup:repeated_record": 12}
+    assert set(r["id"] for r in rejected) <= set(ids)
+    assert manifest["documents_kept"] + manifest["documents_dropped"] == results[0].rows_in == 19
+
+
+def test_readable_records_of_a_truncated_copy_are_repeats(ray_local, tmp_path):
+    inputs = tmp_path / "in"
+    ends = write_warc(inputs / "a.warc.gz", range(5))
+    whole = (inputs / "a.warc.gz").read_bytes()
+    # A re-download cut off in the fourth record's gzip member (its name sorts before a's).
+    cut = ends[2] + (ends[3] - ends[2]) * 9 // 10
+    (inputs / "a-cut.warc.gz").write_bytes(whole[:cut])
+    files = [str(inputs / "a.warc.gz"), str(inputs / "a-cut.warc.gz")]
+    out = tmp_path / "data"
+    cfg = load_config(overrides={"data.out": str(out), "data.dedup.num_shards": 4})
+    results, manifest = run_all(cfg, files, out)
+
+    [cut_file] = manifest["unreadable_files"]
+    assert cut_file["path"].endswith("a-cut.warc.gz") and "truncated record" in cut_file["error"]
+    assert cut_file["records"] == 4  # three whole records and the cut one
+    rows = {r["id"]: r for r in shard_rows(out)}
+    assert len(rows) == manifest["documents_kept"] == 5
+    assert manifest["drop_reasons"] == {"dedup:repeated_record": 4}
+    # The cut record keeps the whole copy, although the cut file's name sorts first.
+    page3 = next(r for r in rows.values() if r["url"].endswith("/page3"))
+    assert page3["source"] == "a.warc.gz"
+    whole_docs = {d["id"]: d["text"] for d in WarcReader().run(str(inputs / "a.warc.gz"))}
+    assert {i: r["text"] for i, r in rows.items()} == whole_docs
+    assert manifest["documents_kept"] + manifest["documents_dropped"] == results[0].rows_in == 9

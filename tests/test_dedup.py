@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from collections import Counter
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
@@ -213,3 +215,62 @@ def test_simhash_finds_obvious_near_duplicates(tmp_path):
     assert rows["s1"]["drop_reason"] == rows["s2"]["drop_reason"] == "dedup:near"
     assert rows["s3"]["drop_reason"] == "dedup:exact"
     assert stats["clusters"] == 1
+
+
+def run_rows(docs: list[dict], tmp_path, blocks: int, previous_ids=()) -> tuple[list[dict], dict]:
+    ds = ray.data.from_items(docs, override_num_blocks=blocks)
+    out, stats = dedup(ds, DedupConfig(num_shards=4), str(tmp_path), previous_ids=previous_ids)
+    rows = out.take_all()
+    assert len(rows) == len(docs)
+    return rows, stats
+
+
+def test_repeated_records_keep_one_copy_whatever_the_order(tmp_path):
+    rng = random.Random(19)
+    full = " ".join(random_words(rng, 400))
+    old_text = " ".join(random_words(rng, 300))
+    r2_text = " ".join(random_words(rng, 200))
+    docs = [
+        # One record read from three files: the cut copy has the smaller source name but less text.
+        make_doc("r1", full, source="b.warc.gz"),
+        make_doc("r1", full, source="a.warc.gz"),
+        make_doc("r1", full[: len(full) // 2], source="0-cut.warc.gz"),
+        # The same file read twice: identical rows.
+        make_doc("r2", r2_text, source="c.warc.gz"),
+        make_doc("r2", r2_text, source="c.warc.gz"),
+        # Nothing to compare (digits only) is no reason to keep both copies.
+        make_doc("r3", "2024 12 31", source="c.warc.gz"),
+        make_doc("r3", "2024 12 31", source="c.warc.gz"),
+        # An exact copy of r1 under another id: the cluster keeps "e1" (smaller id).
+        make_doc("e1", full.upper(), source="d.warc.gz"),
+        # An id an earlier version already holds: every copy goes.
+        make_doc("old", old_text, source="a.warc.gz"),
+        make_doc("old", old_text, source="b.warc.gz"),
+        make_doc("u", " ".join(random_words(rng, 300)), source="a.warc.gz"),
+        # Dropped before: passes through, never counted as a copy.
+        make_doc("u", "", drop_reason="extract:empty_body", source="z.warc.gz"),
+    ]
+    pq.write_table(pa.table({"id": ["old", "gone"]}), tmp_path / "v0001-shard-00000.parquet")
+    previous = [str(tmp_path / "v0001-shard-00000.parquet")]
+
+    first, stats = run_rows(docs, tmp_path / "a", blocks=1, previous_ids=previous)
+    shuffled = list(reversed(docs))
+    second, _ = run_rows(shuffled, tmp_path / "b", blocks=5, previous_ids=previous)
+
+    def summary(rows):
+        return sorted((r["id"], r["source"], r["text"], r["drop_reason"] or "", r["dup_cluster"] or "") for r in rows)
+
+    assert summary(first) == summary(second)
+    kept_rows = [r for r in first if r["drop_reason"] is None]
+    assert sorted(r["id"] for r in kept_rows) == ["e1", "r2", "r3", "u"]
+    reasons = Counter(r["drop_reason"] for r in first if r["drop_reason"])
+    assert reasons == {"dedup:repeated_record": 6, "dedup:exact": 1, "extract:empty_body": 1}
+    assert stats["repeated_records"] == 6 and stats["exact_dups"] == 1
+    # r1's whole-text copy from the smaller source name stays in play (then loses to e1 as an exact copy).
+    [r1] = [r for r in first if r["id"] == "r1" and r["drop_reason"] != "dedup:repeated_record"]
+    assert r1["source"] == "a.warc.gz" and r1["text"] == full
+    assert r1["drop_reason"] == "dedup:exact" and r1["dup_cluster"] == "e1"
+    assert {r["dup_cluster"] for r in first if r["drop_reason"] == "dedup:repeated_record"} == {"r1", "r2", "r3", "old"}
+    # Only the copy kept in play is indexed: the half copy of r1 left no key behind.
+    index = pq.read_table(tmp_path / "a" / "index" / "bands")
+    assert set(index.column("id").to_pylist()) == {"e1", "r2", "u"}

@@ -114,6 +114,15 @@ def test_optional_parts_a_setting_selects_import():
         importlib.import_module("deepspeed")
 
 
+def test_one_fastText_build_provides_the_fasttext_module():
+    """Language ID and the quality classifier share the real fastText (training included);
+    a second build providing `fasttext` (fasttext-predict, fasttext-wheel...) would overwrite it."""
+    assert md.packages_distributions()["fasttext"] == ["fasttext-community"]
+    import fasttext
+
+    assert callable(fasttext.train_supervised) and callable(fasttext.load_model)
+
+
 def test_constraints_pin_every_declared_dependency():
     """CI and the README install with constraints.txt; a dependency missing from it would float."""
     pinned = {_name(line) for line in (ROOT / "constraints.txt").read_text().splitlines()

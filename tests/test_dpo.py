@@ -38,9 +38,12 @@ def test_dpo_under_accelerate_raises_implicit_reward_accuracy(base, tmp_path):
     out = tmp_path / "dpo"
     launch_training("dpo", {"policy": str(base), "data": str(data)}, str(out), max_steps=30,
            overrides=["seq_len=64", "micro_batch_size=8", "lr=2e-3", "min_lr=2e-4", "warmup_steps=3", "beta=0.5",
-                      "eval_every=10", "checkpoint_every=0", "val_fraction=0.2", "eval_batches=8"])
+                      "eval_every=10", "checkpoint_every=0", "val_fraction=0.2", "eval_batches=8",
+                      "grad_checkpointing=true"])
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps"] == 30 and m["policy"] == str(base.resolve()) and m["held_out"] >= 30
+    start = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "start"]
+    assert start and start[0]["grad_checkpointing"] is True  # the setting took effect on the policy
     assert m["eval_reward_accuracy_start"] == 0.5  # policy == reference: every implicit reward is 0
     assert m["eval_reward_accuracy"] >= 0.85, m
     assert m["eval_reward_margin"] > 0

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy
 import pydantic
 import pytest
 
+import crawl2chat.stages.data
 from crawl2chat.stages.data.langid import LanguageId, bundled_model_path, load_model, predict_languages
 from crawl2chat.stages.data.settings import LangIdConfig
 from crawl2chat.stages.data.warc_input import WarcReader
 
 WARC_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "warc"
+
+LID_176_SHA256 = "8f3472cfe8738a7b6099e8e999c3cbfae0dcd15696aac7d7738a8039db603e83"
 
 SENTENCES = {
     "en": "The committee will publish its annual report on public transport next week.",
@@ -28,6 +32,16 @@ def test_model_is_the_bundled_file_and_loaded_once():
     assert load_model() is load_model()
 
 
+def test_bundled_model_ships_with_its_licence():
+    """lid.176.ftz is package data of crawl2chat (never downloaded), with its CC BY-SA 3.0 notice."""
+    path = Path(bundled_model_path())
+    assert path.parent == Path(crawl2chat.stages.data.__file__).parent / "models"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == LID_176_SHA256
+    notice = path.with_name("lid.176.NOTICE.md").read_text(encoding="utf-8")
+    assert "CC BY-SA 3.0" in notice and LID_176_SHA256 in notice
+    assert len(load_model().get_labels()) == 176
+
+
 @pytest.mark.parametrize("lang", sorted(SENTENCES))
 def test_single_documents_are_identified(lang):
     block = LanguageId()
@@ -36,7 +50,7 @@ def test_single_documents_are_identified(lang):
 
 
 def test_batch_prediction_under_numpy_2():
-    assert int(numpy.__version__.split(".")[0]) >= 2  # the case fastText's own predict broke on
+    assert int(numpy.__version__.split(".")[0]) >= 2  # the case upstream fastText 0.9.2's predict broke on
     texts = list(SENTENCES.values()) + ["Zeile eins\nZeile zwei ist auch auf Deutsch geschrieben.\n"]
     results = predict_languages(texts)
     assert [lang for lang, _ in results] == list(SENTENCES) + ["de"]

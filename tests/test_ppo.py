@@ -171,11 +171,14 @@ def test_ppo_under_accelerate_raises_reward(models, tmp_path):
     out = tmp_path / "ppo"
     launch_training("ppo", {"policy": str(models["sft"]), "reward": str(models["rm"]), "prompts": str(models["prompts"])}, str(out), max_steps=16,
            overrides=["rollout_batch_size=16", "micro_batch_size=8", "ppo_epochs=4", "max_new_tokens=8",
-                      "lr=1e-3", "kl_coef=0.05", "adaptive_kl=true", "kl_target=2.0"])
+                      "lr=1e-3", "kl_coef=0.05", "adaptive_kl=true", "kl_target=2.0", "grad_checkpointing=true"])
     m = json.loads((out / "metrics.json").read_text())
     log = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "step"]
     assert len(log) == 16 and m["steps"] == 16
-    for key in ("reward_mean", "kl", "clip_fraction", "entropy", "value_loss", "response_length"):
+    start = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "start"]
+    assert start[0]["grad_checkpointing"] is True  # actor and critic recompute activations
+    for key in ("reward_mean", "kl", "clip_fraction", "entropy", "value_loss", "response_length", "lr", "grad_norm",
+                "tokens_per_second"):
         assert all(math.isfinite(r[key]) for r in log), key
     rewards = [r["reward_mean"] for r in log]
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 1.5, rewards  # ~-0.5 -> ~3 in trial runs

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from crawl2chat.stages.data.quality import C4Filter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter, build_quality_blocks, duplicate_ngram_chars, top_ngram_chars
+from crawl2chat.stages.data.quality import C4Filter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter, NgramStats, build_quality_blocks
 from crawl2chat.stages.data.settings import C4Config, GopherQualityConfig, QualityConfig
 from crawl2chat.stages.data.text import count_sentences, is_unspaced, split_words, stop_words
 
@@ -289,11 +289,46 @@ def test_bullet_lines_rule():
 
 
 def test_ngram_helpers():
-    words = "a b c a b c a b c".split()
-    assert top_ngram_chars(words, 3) == 9  # "a b c" three times, 3 chars each
-    assert top_ngram_chars("a b c d".split(), 2) == 0  # nothing repeats
-    assert duplicate_ngram_chars(words, 3) == 6  # the 2nd and 3rd "a b c"
-    assert duplicate_ngram_chars(words, 5) == 6  # 5-grams at 3 and 4 repeat: words 3..8 covered
+    grams = NgramStats("a b c a b c a b c".split())
+    assert grams.top_chars(3) == 9  # "a b c" three times, 3 chars each
+    assert NgramStats("a b c d".split()).top_chars(2) == 0  # nothing repeats
+    assert grams.duplicate_chars(3) == 6  # the 2nd and 3rd "a b c"
+    assert grams.duplicate_chars(5) == 6  # 5-grams at 3 and 4 repeat: words 3..8 covered
+    assert NgramStats([]).top_chars(2) == 0 and NgramStats(["a"]).duplicate_chars(2) == 0
+
+
+def _top_reference(words, n):
+    """Gopher's definition, written plainly: the most frequent n-gram (first among ties) x its count."""
+    from collections import Counter
+
+    counts = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    if not counts:
+        return 0
+    gram, count = counts.most_common(1)[0]
+    return sum(len(w) for w in gram) * count if count > 1 else 0
+
+
+def _dup_reference(words, n):
+    seen, covered = set(), [False] * len(words)
+    for i in range(len(words) - n + 1):
+        gram = tuple(words[i:i + n])
+        if gram in seen:
+            covered[i:i + n] = [True] * n
+        seen.add(gram)
+    return sum(len(w) for w, c in zip(words, covered) if c)
+
+
+def test_vectorised_ngram_stats_equal_the_plain_definitions():
+    import random
+
+    rng = random.Random(7)
+    vocab = ["the", "river", "a", "bridge", "of", "stone", "market", "opens", "Saturday", "town", "ab", "abc"]
+    for trial in range(300):
+        words = [rng.choice(vocab[: rng.randint(2, len(vocab))]) for _ in range(rng.randint(0, 80))]
+        grams = NgramStats(words)
+        for n in (1, 2, 3, 4, 5, 7, 10):
+            assert grams.top_chars(n) == _top_reference(words, n), (trial, n, words)
+            assert grams.duplicate_chars(n) == _dup_reference(words, n), (trial, n, words)
 
 
 def test_repetition_scales_ngrams_on_unspaced_text():

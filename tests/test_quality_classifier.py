@@ -1,19 +1,21 @@
-"""The hashed n-gram quality classifier: training from files, safe save/load, the filter block."""
+"""The fastText quality classifier: training from files, standard .bin models both ways, the filter block."""
 
 from __future__ import annotations
 
 import json
 import random
 
-import numpy as np
+import fasttext
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pydantic
 import pytest
 
+from crawl2chat.stages.data.langid import bundled_model_path
+from crawl2chat.stages.data.pipeline import prepare_quality_classifier
 from crawl2chat.stages.data.quality import build_quality_blocks
-from crawl2chat.stages.data.settings import QualityConfig
-from crawl2chat.stages.data.quality_classifier import PARAMS_FILE, WEIGHTS_FILE, QualityClassifier, QualityClassifierFilter, train_quality_classifier
-from crawl2chat.stages.data.settings import QualityClassifierConfig
+from crawl2chat.stages.data.quality_classifier import QualityClassifier, QualityClassifierFilter, train_quality_classifier
+from crawl2chat.stages.data.settings import QualityClassifierConfig, QualityConfig
 
 # Sentence material for "good" documents, in four languages.
 GOOD_SENTENCES = [
@@ -67,16 +69,22 @@ def example_files(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def trained(example_files, tmp_path_factory):
-    cfg = QualityClassifierConfig(
-        enabled=True,
+def _training_config(example_files, **overrides) -> QualityClassifierConfig:
+    return QualityClassifierConfig(
         positive_files=[str(example_files / "good.txt"), str(example_files / "good.parquet")],
         negative_files=[str(example_files / "bad.jsonl")],
-        model_dir=str(tmp_path_factory.mktemp("model")),
-        hash_buckets=2**16,
+        bucket=20_000,
+        dim=16,
+        **overrides,
     )
-    return cfg, train_quality_classifier(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained(example_files, tmp_path_factory):
+    cfg = _training_config(example_files)
+    path = tmp_path_factory.mktemp("model") / "quality.bin"
+    metrics = train_quality_classifier(cfg, path)
+    return cfg.model_copy(update={"model": str(path), "positive_files": [], "negative_files": []}), metrics
 
 
 def test_training_reads_all_formats_and_counts_bad_lines(trained):
@@ -98,34 +106,94 @@ def test_separable_data_is_learned(trained):
 
 def test_unseen_documents_are_ranked(trained):
     cfg, _ = trained
-    model = QualityClassifier.load(cfg.model_dir)
+    model = QualityClassifier.load(cfg)
     rng = random.Random(99)
     good = [good_doc(rng) for _ in range(20)]
     bad = [bad_doc(rng) for _ in range(20)]
     probs = model.predict_proba(good + bad)
-    assert probs.shape == (40,) and np.all((probs >= 0) & (probs <= 1))
-    assert probs[:20].min() > 0.5 > probs[20:].max()
+    assert len(probs) == 40 and all(0.0 <= p <= 1.0 for p in probs)
+    assert min(probs[:20]) > 0.5 > max(probs[20:])
 
 
-def test_save_load_round_trip_is_exact(trained, tmp_path):
+def test_our_model_is_a_standard_fasttext_model(trained):
+    """The saved .bin is read by plain fastText, which gives the same labels and probabilities."""
     cfg, _ = trained
-    model = QualityClassifier.load(cfg.model_dir)
-    model.save(tmp_path)
-    again = QualityClassifier.load(tmp_path)
-    texts = ["Die Bibliothek besitzt eine bedeutende Sammlung.", "CLICK HERE free casino bonus >>>", ""]
-    assert np.array_equal(model.predict_proba(texts), again.predict_proba(texts))
-    # Only JSON and safetensors are written: nothing that unpickles code on load.
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([PARAMS_FILE, WEIGHTS_FILE])
+    plain = fasttext.load_model(cfg.model)
+    assert sorted(plain.get_labels()) == ["__label__hq", "__label__lq"]
+    assert plain.get_dimension() == 16
+    rng = random.Random(5)
+    texts = [good_doc(rng), bad_doc(rng), "Die Bibliothek besitzt eine bedeutende Sammlung mittelalterlicher Handschriften."]
+    ours = QualityClassifier.load(cfg)
+    for text, prob in zip(texts, ours.predict_proba(texts)):
+        labels, probs = plain.predict(ours.line(text), k=2)
+        assert dict(zip(labels, probs))["__label__hq"] == pytest.approx(prob, abs=1e-6)
+    assert plain.predict(ours.line(texts[0]))[0] == ("__label__hq",)
+    assert plain.predict(ours.line(texts[1]))[0] == ("__label__lq",)
 
 
-def test_tampered_parameters_are_refused(trained, tmp_path):
-    cfg, _ = trained
-    QualityClassifier.load(cfg.model_dir).save(tmp_path)
-    meta = json.loads((tmp_path / PARAMS_FILE).read_text())
-    meta["word"]["preprocessor"] = "os.system"
-    (tmp_path / PARAMS_FILE).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="unsupported"):
-        QualityClassifier.load(tmp_path)
+def test_plain_fasttext_model_filters_through_our_config(tmp_path):
+    """A classifier trained with plain ``fasttext.train_supervised`` (own labels, raw text, quantized
+    to .ftz) is loaded through ``quality.classifier.model`` and filters with its own label."""
+    rng = random.Random(3)
+    lines = []
+    for _ in range(300):
+        lines.append("__label__keep " + good_doc(rng))
+        lines.append("__label__spam " + bad_doc(rng))
+        lines.append("__label__other " + " ".join(rng.sample(GOOD_SENTENCES, 1) + rng.sample(BAD_FRAGMENTS, 1)))
+    rng.shuffle(lines)
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    model = fasttext.train_supervised(
+        input=str(tmp_path / "train.txt"), epoch=10, dim=16, wordNgrams=2, bucket=2_000, thread=1, verbose=0
+    )
+    model.save_model(str(tmp_path / "plain.bin"))
+    model.quantize(input=str(tmp_path / "train.txt"), qnorm=True, retrain=False, cutoff=0)
+    model.save_model(str(tmp_path / "plain.ftz"))
+
+    docs_rng = random.Random(11)
+    docs = [{"id": str(i), "text": good_doc(docs_rng) if i % 2 == 0 else bad_doc(docs_rng), "drop_reason": None}
+            for i in range(20)]
+    for name in ("plain.bin", "plain.ftz"):
+        cfg = QualityClassifierConfig(
+            enabled=True, model=str(tmp_path / name), label="__label__keep", preprocess="whitespace", threshold=0.6
+        )
+        out = list(QualityClassifierFilter(cfg, batch_size=8).run([dict(d) for d in docs]))
+        kept = [d["id"] for d in out if d["drop_reason"] is None]
+        assert kept == [str(i) for i in range(0, 20, 2)], name
+        assert all(d["quality_score"] >= 0.6 for d in out if d["drop_reason"] is None)
+
+    # Through the pipeline's preparation: the given model is used as is and identified by its file.
+    quality = QualityConfig(classifier=QualityClassifierConfig(enabled=True, model=str(tmp_path / "plain.bin"),
+                                                               label="__label__keep", preprocess="whitespace"))
+    prepared, info, identity = prepare_quality_classifier(quality, str(tmp_path / "work"))
+    assert info == {"classifier": "given", "model": str(tmp_path / "plain.bin")}
+    assert identity and identity[0][0][0] == str(tmp_path / "plain.bin")
+    assert [b.name for b in build_quality_blocks(prepared)][-1] == "quality_classifier"
+
+
+def test_pipeline_trains_once_and_retrains_when_examples_change(example_files, tmp_path):
+    files = tmp_path / "examples"
+    files.mkdir()
+    for name in ("good.txt", "good.parquet", "bad.jsonl"):
+        (files / name).write_bytes((example_files / name).read_bytes())
+    quality = QualityConfig(classifier=_training_config(files, enabled=True, epoch=5))
+    first, info, _ = prepare_quality_classifier(quality, str(tmp_path))
+    assert info["classifier"] == "trained" and info["heldout_accuracy"] >= 0.95
+    path = first.classifier.model
+    assert path.endswith(".bin") and fasttext.load_model(path).get_labels()
+    again, info, _ = prepare_quality_classifier(quality, str(tmp_path))
+    assert info == {"classifier": "reused", "model": path} and again.classifier.model == path
+    with open(files / "bad.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "FREE BONUS click here now"}) + "\n")
+    changed, info, _ = prepare_quality_classifier(quality, str(tmp_path))
+    assert info["classifier"] == "trained" and changed.classifier.model != path
+
+
+def test_training_is_repeatable_with_one_thread(example_files, tmp_path):
+    cfg = _training_config(example_files, epoch=3)
+    train_quality_classifier(cfg, tmp_path / "a.bin")
+    train_quality_classifier(cfg, tmp_path / "b.bin")
+    assert (tmp_path / "a.bin").read_bytes() == (tmp_path / "b.bin").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]  # no temporary files left
 
 
 def test_filter_block_scores_and_drops(trained):
@@ -150,16 +218,41 @@ def test_filter_block_scores_and_drops(trained):
 
 def test_classifier_is_the_last_quality_block(trained):
     cfg, _ = trained
-    blocks = build_quality_blocks(QualityConfig(classifier=cfg))
+    blocks = build_quality_blocks(QualityConfig(classifier=cfg.model_copy(update={"enabled": True})))
     assert [b.name for b in blocks][-1] == "quality_classifier"
+
+
+def test_wrong_label_or_file_is_a_clear_error(trained, tmp_path):
+    cfg, _ = trained
+    with pytest.raises(ValueError, match=r"label '__label__good' is not a label of .*quality.bin.*__label__hq"):
+        QualityClassifier.load(cfg.model_copy(update={"label": "__label__good"}))
+    with pytest.raises(ValueError, match=r"label '__label__hq' is not a label of .*lid.176.ftz.*__label__en"):
+        QualityClassifier.load(cfg.model_copy(update={"model": bundled_model_path()}))
+    (tmp_path / "model.bin").write_text("not a model", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"data.quality.classifier.model: .*model.bin is not a fastText model"):
+        QualityClassifier.load(cfg.model_copy(update={"model": str(tmp_path / "model.bin")}))
+    with pytest.raises(FileNotFoundError, match=r"data.quality.classifier.model: .*missing.bin"):
+        QualityClassifier.load(cfg.model_copy(update={"model": str(tmp_path / "missing.bin")}))
+
+
+def test_config_refuses_ambiguous_or_retired_settings():
+    with pytest.raises(pydantic.ValidationError, match="either `model`"):
+        QualityClassifierConfig(model="q.bin", positive_files=["good.txt"])
+    with pytest.raises(pydantic.ValidationError, match="neither `model`"):
+        QualityClassifierConfig(enabled=True, positive_files=["good.txt"])
+    with pytest.raises(pydantic.ValidationError, match="must start with '__label__'"):
+        QualityClassifierConfig(positive_files=["g"], negative_files=["b"], label="hq")
+    for retired in ("hash_buckets", "l2", "model_dir", "epochs"):
+        with pytest.raises(pydantic.ValidationError, match=retired):
+            QualityClassifierConfig(**{retired: 1})
 
 
 def test_no_usable_examples_is_a_clear_error(tmp_path):
     (tmp_path / "good.txt").write_text("A fine sentence about the river and the town.\n", encoding="utf-8")
     (tmp_path / "bad.jsonl").write_text("{broken\n\n", encoding="utf-8")
     cfg = QualityClassifierConfig(
-        positive_files=[str(tmp_path / "good.txt")], negative_files=[str(tmp_path / "bad.jsonl")],
-        model_dir=str(tmp_path / "model"), hash_buckets=2**12,
+        positive_files=[str(tmp_path / "good.txt")], negative_files=[str(tmp_path / "bad.jsonl")], bucket=1000,
     )
     with pytest.raises(ValueError, match="no usable negative examples"):
-        train_quality_classifier(cfg)
+        train_quality_classifier(cfg, tmp_path / "model.bin")
+    assert not (tmp_path / "model.bin").exists()

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
 
 import mlflow
 import pyarrow.parquet as pq
 import pytest
 from aiohttp import web
 from test_crawl import LocalServer
+from test_data_pipeline import write_warc
 
 from crawl2chat.stages.settings import load_config
 from crawl2chat.stages.data.versions import committed_versions, iter_documents, read_manifest, shard_files
@@ -135,3 +137,33 @@ def test_refresh_adds_only_new_and_changed_pages_as_a_new_version(prefect_api, r
     inputs = {d.dataset.name: d.dataset.digest for r in writes for d in r.inputs.dataset_inputs}
     assert inputs["data@v0001"] == first["content_digest"][7:23]
     assert inputs["data@v0002"] == second["content_digest"][7:23]
+
+
+def test_refresh_reading_a_copy_of_an_old_file_adds_nothing(prefect_api, ray_local, tmp_path):
+    from crawl2chat.flows.data import data_flow
+
+    inputs, out = tmp_path / "in", tmp_path / "data"
+    write_warc(inputs / "crawl-1.warc.gz", range(5))
+    cfg = load_config(overrides={
+        "home": str(tmp_path / "home"),
+        "data.out": str(out),
+        "data.inputs": [str(inputs)],
+        "data.dedup.num_shards": 4,
+    })
+    first = data_flow(cfg)
+    # The old file copied under a new name: the refresh reads it as a new input file.
+    shutil.copy(inputs / "crawl-1.warc.gz", inputs / "crawl-1-copy.warc.gz")
+    second = data_flow(cfg, refresh=True)
+
+    assert first["documents_kept"] == 5, first["drop_reasons"]
+    extract = next(s for s in second["steps"] if s["name"] == "extract")
+    assert second["refresh"] and extract["rows_in"] == 5  # only the copy was read
+    assert second["version_documents_kept"] == 0 and second["documents_kept"] == 5
+    assert second["drop_reasons"] == {"dedup:repeated_record": 5}
+    dedup = next(s for s in second["steps"] if s["name"] == "dedup")
+    assert dedup["extra"]["dedup"]["repeated_records"] == 5
+    # Every shard file of every version: no id twice.
+    ids = pq.read_table(sorted((out / "shards").glob("*.parquet")), columns=["id"])["id"].to_pylist()
+    assert len(ids) == len(set(ids)) == 5
+    rejected = pq.read_table(sorted((out / "rejected").glob("v0002-*.parquet")))
+    assert set(rejected["reason"].to_pylist()) == {"dedup:repeated_record"} and rejected.num_rows == 5

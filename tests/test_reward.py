@@ -72,8 +72,8 @@ def test_hh_pairs_tokenise_within_seq_len(base):
 
     tok = AutoTokenizer.from_pretrained(base)
     pairs, _ = load_preferences(HH)
-    train, val, skipped = tokenise_pairs(tok, pairs[:100], RewardConfig(seq_len=96, val_fraction=0.2))
-    assert len(train) + len(val) == 100 and not skipped and val
+    train, val, skipped, rule = tokenise_pairs(tok, pairs[:100], RewardConfig(seq_len=96, val_fraction=0.2))
+    assert len(train) + len(val) == 100 and not skipped and val and rule == "content_hash"
     for e in train + val:
         for side in ("chosen", "rejected"):
             ids, mask = e[side], e[side + "_mask"]

@@ -1,13 +1,19 @@
 """The HTTP server for real: uvicorn on 127.0.0.1 (free port) in a thread, httpx
 and the openai client talking to it, streams read to the end, malformed requests
 answered with 4xx, the concurrency bound, and KV-cache decoding against full
-recomputation."""
+recomputation; the server's limits (body size, prompt length, message count,
+queue and request timeouts, client hang-ups), API key and CORS, every server
+flag refused or passed through, and a short soak of ``crawl2chat serve``."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import random
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -274,3 +280,336 @@ def test_chat_command_on_the_serving_path(model_dir):
     assert bad.exit_code == 2 and "top_p" in bad.output
     missing = CliRunner().invoke(app, ["serve", "--model", str(model_dir.parent)])
     assert missing.exit_code == 2 and "not a model folder" in missing.output
+
+
+# ---------------------------------------------------------------- limits, timeouts, access control
+
+
+def wait_for(predicate, timeout: float = 10.0, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+class SlowEngine:
+    """The engine generating one fixed token every ``delay`` seconds (never a
+    stop token), counting the tokens it produced."""
+
+    def __init__(self, engine, delay: float = 0.05):
+        self.engine, self.delay, self.produced = engine, delay, 0
+        self.token = engine.encode("the")[0]
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream(self, prompt_ids, params):
+        ts = self.engine.stream(prompt_ids, params)
+        ts.tokens.close()
+
+        def slow():
+            for _ in range(params.max_new_tokens):
+                time.sleep(self.delay)
+                self.produced += 1
+                yield self.token
+
+        ts.tokens = slow()
+        return ts
+
+
+class CountingEngine(GatedEngine):
+    """A gated engine that counts how many prompts it tokenised."""
+
+    def __init__(self, engine, gate):
+        super().__init__(engine, gate)
+        self.tokenised = 0
+
+    def prompt_ids(self, text):
+        self.tokenised += 1
+        return self.engine.prompt_ids(text)
+
+
+@pytest.fixture(scope="module")
+def limited(engine):
+    app = create_app(engine, max_body_bytes=4096, max_messages=3, max_prompt_chars=300, max_prompt_tokens=40,
+                     max_tokens_limit=200)
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        yield c
+
+
+def test_oversized_bodies_get_413(limited):
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+    for body in (big, iter([big[i:i + 1000] for i in range(0, len(big), 1000)])):  # declared, then chunked
+        r = limited.post("/generate", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["type"] == "request_too_large" and "4096 bytes" in r.json()["error"]["message"]
+    huge = b"x" * (8 << 20)  # the server answers before reading it all; the connection stays usable
+    assert limited.post("/v1/chat/completions", content=huge).status_code == 413
+    ok = limited.post("/generate", json={"prompt": "the king", "max_tokens": 2, "stream": False})
+    assert ok.status_code == 200
+    assert limited.get("/health").json()["active"] == 0
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/generate", {"prompt": "the king " * 40}, "prompt", "300 characters"),  # 360 characters
+    ("/generate", {"prompt": "a b c d e f g h i j " * 14}, "prompt", "40 tokens"),  # 280 characters, >40 tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the king " * 20}] * 2}, "messages",
+     "300 characters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 4}, "messages", "at most 3"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a b c d e f g " * 6}]}, "messages",
+     "40 tokens"),
+])
+def test_prompt_limits_get_400_naming_the_field(limited, path, body, param, words):
+    for stream in (False, True):
+        r = limited.post(path, json={**body, "max_tokens": 4, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+    assert limited.get("/health").json()["active"] == 0
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_seed_out_of_range_gets_400(client, seed):
+    for path, body in (("/generate", {"prompt": "the king"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for stream in (False, True):
+            r = client.post(path, json={**body, "max_tokens": 2, "seed": seed, "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed).validate()
+    r = client.post("/generate", json={"prompt": "the king", "max_tokens": 2, "seed": 2**63 - 1, "stream": False})
+    assert r.status_code == 200
+
+
+def test_tokenisation_waits_for_a_slot(engine):
+    """A queued request is not tokenised before it gets its slot."""
+    gate = threading.Event()
+    counting = CountingEngine(engine, gate)
+    app = create_app(counting, max_concurrent=1, max_queue=2)
+    body = {"prompt": "the king", "max_tokens": 3, "stream": False}
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(httpx.post(s.url + "/generate", json=body,
+                                                                             timeout=60).status_code))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: (c.get("/health").json()["waiting"]) == 1)
+        assert counting.tokenised == 1
+        gate.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert results == [200, 200] and counting.tokenised == 2
+
+
+def test_non_streaming_request_stops_when_its_client_leaves(engine):
+    slow = SlowEngine(engine, delay=0.05)  # 200 tokens would take 10 s
+    app = create_app(slow, max_concurrent=1, max_queue=1)
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/generate", json={"prompt": "the king", "max_tokens": 200, "stream": False},
+                       timeout=httpx.Timeout(60, read=0.5))
+        assert wait_for(lambda: c.get("/health").json()["active"] == 0, timeout=5)
+        stopped_at = slow.produced
+        assert stopped_at < 100, stopped_at
+        time.sleep(0.3)
+        assert slow.produced == stopped_at  # nothing is generated for it any more
+        assert c.post("/generate", json={"prompt": "x", "max_tokens": 2, "stream": False}).status_code == 200
+
+
+def test_request_timeout_stops_generation(engine):
+    slow = SlowEngine(engine, delay=0.05)
+    app = create_app(slow, max_concurrent=2, request_timeout=0.5)
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        t0 = time.monotonic()
+        r = c.post("/generate", json={"prompt": "the king", "max_tokens": 200, "stream": False})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
+        assert "0.5 s" in r.json()["error"]["message"] and time.monotonic() - t0 < 5
+        with c.stream("POST", "/generate", json={"prompt": "the king", "max_tokens": 200}) as st:
+            events = sse_events(st)
+        assert st.status_code == 200 and events[-1]["error"]["type"] == "timeout"
+        assert not any(e.get("done") for e in events) and any(e.get("text") for e in events[:-1])
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "stream": True}) as st:
+            events = sse_events(st)
+        assert events[-1]["error"]["type"] == "timeout" and "[DONE]" not in events
+        assert wait_for(lambda: c.get("/health").json()["active"] == 0, timeout=5)
+        assert slow.produced < 3 * 0.5 / 0.05 + 10  # each stopped after about 10 tokens
+    openai = pytest.importorskip("openai")
+    with ServerThread(create_app(slow, request_timeout=0.5)) as s:
+        oc = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIError):  # a stream ended by the timeout raises in the client
+            for _ in oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=200, stream=True):
+                pass
+
+
+def test_queue_timeout_gets_503(engine):
+    gate = threading.Event()
+    app = create_app(GatedEngine(engine, gate), max_concurrent=1, max_queue=4, queue_timeout=0.3)
+    body = {"prompt": "the king", "max_tokens": 3, "stream": False}
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        first = []
+        holder = threading.Thread(target=lambda: first.append(httpx.post(s.url + "/generate", json=body,
+                                                                         timeout=60).status_code))
+        holder.start()
+        assert wait_for(lambda: c.get("/health").json()["active"] == 1)
+        t0 = time.monotonic()
+        r = c.post("/generate", json=body)
+        waited = time.monotonic() - t0
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "0.3 s" in r.json()["error"]["message"] and 0.25 <= waited < 5
+        # a queued client that hangs up leaves the queue at once
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/generate", json=body, timeout=httpx.Timeout(60, read=0.1))
+        assert wait_for(lambda: c.get("/health").json()["waiting"] == 0, timeout=2)
+        gate.set()
+        holder.join(timeout=60)
+        assert first == [200]
+        h = c.get("/health").json()
+        assert h["active"] == h["waiting"] == 0
+
+
+def test_api_key(engine):
+    key = "s3cret-key"
+    with ServerThread(create_app(engine, api_key=key, max_body_bytes=4096)) as s, \
+            httpx.Client(base_url=s.url, timeout=60) as c:
+        assert c.get("/health").status_code == 200  # open, for load balancers and probes
+        body = {"prompt": "the king", "max_tokens": 2, "stream": False}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {key}"},
+                        {"Authorization": key}, {"Authorization": f"Bearer {key}x"}):
+            for method, path, kw in (("GET", "/v1/models", {}), ("POST", "/generate", {"json": body}),
+                                     ("GET", "/docs", {}), ("GET", "/openapi.json", {})):
+                r = c.request(method, path, headers=headers, **kw)
+                assert r.status_code == 401, (headers, path, r.text)
+                assert r.json()["error"]["type"] == "authentication_error" and r.headers["www-authenticate"] == "Bearer"
+        # the key is checked before the body is read
+        assert c.post("/generate", content=b"x" * 10000).status_code == 401
+        good = {"Authorization": f"Bearer {key}"}
+        assert c.get("/v1/models", headers=good).status_code == 200
+        assert c.post("/generate", json=body, headers=good).status_code == 200
+        assert c.post("/generate", content=b"x" * 10000, headers=good).status_code == 413
+        openai = pytest.importorskip("openai")
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).chat.completions.create(
+                model="m", messages=msgs, max_tokens=2)
+        res = openai.OpenAI(base_url=s.url + "/v1", api_key=key).chat.completions.create(
+            model="m", messages=msgs, max_tokens=2)
+        assert res.usage.completion_tokens >= 1
+
+
+def test_cors_off_by_default_and_on_for_configured_origins(engine):
+    origin = "http://ui.example:3000"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with ServerThread(create_app(engine)) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.get("/v1/models", headers={"Origin": origin})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+    app = create_app(engine, cors_origins=[origin], api_key="k")
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.options("/v1/chat/completions", headers=preflight)  # preflights carry no key
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        r = c.get("/v1/models", headers={"Origin": origin, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin
+        r = c.get("/v1/models", headers={"Origin": "http://elsewhere.example", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in r.headers
+        r = c.get("/v1/models", headers={"Origin": origin})  # a 401 is readable by the page too
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin
+
+
+BAD_FLAGS = [
+    ("--max-concurrent", "0"), ("--max-concurrent", "-1"), ("--max-queue", "-1"), ("--max-tokens", "0"),
+    ("--max-body-bytes", "0"), ("--max-messages", "0"), ("--max-prompt-chars", "0"), ("--max-prompt-tokens", "0"),
+    ("--queue-timeout", "0"), ("--queue-timeout", "nan"), ("--request-timeout", "-1"), ("--api-key", ""),
+    ("--api-key", "two words"), ("--cors-origin", "ui.example"), ("--cors-origin", "http://ui.example/"),
+]
+
+
+@pytest.mark.parametrize("flag,value", BAD_FLAGS)
+def test_bad_server_flags_are_refused(model_dir, flag, value, monkeypatch, capsys):
+    import typer
+    from typer.testing import CliRunner
+
+    import crawl2chat.stages.inference.serve as serve_mod
+    from crawl2chat.serving_cli import register
+
+    monkeypatch.setattr(serve_mod, "Engine", lambda *a, **k: pytest.fail("the model must not load"))
+    app = typer.Typer()
+    register(app)
+    r = CliRunner().invoke(app, ["serve", "--model", str(model_dir), flag, value])
+    assert r.exit_code == 2 and flag in r.output, r.output
+    with pytest.raises(SystemExit) as e:
+        serve_mod.main(["--model", str(model_dir), flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_create_app_refuses_zero_slots(engine):
+    with pytest.raises(ValueError, match="--max-concurrent"):
+        create_app(engine, max_concurrent=0)
+
+
+def test_serve_command_passes_every_flag(model_dir, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    import crawl2chat.stages.inference.serve as serve_mod
+    from crawl2chat.serving_cli import register
+    from crawl2chat.stages.inference.serve import ServerSettings
+
+    seen = {}
+    monkeypatch.setattr(serve_mod, "serve", lambda model, **kw: seen.update(kw))
+    monkeypatch.delenv("CRAWL2CHAT_API_KEY", raising=False)
+    app = typer.Typer()
+    register(app)
+    r = CliRunner().invoke(app, ["serve", "--model", str(model_dir)])
+    assert r.exit_code == 0, r.output
+    assert seen["settings"] == ServerSettings()  # the command's defaults are the server's
+    argv = ["serve", "--model", str(model_dir), "--max-concurrent", "3", "--max-queue", "5", "--max-tokens", "77",
+            "--max-body-bytes", "5000", "--max-messages", "7", "--max-prompt-chars", "900",
+            "--max-prompt-tokens", "99", "--queue-timeout", "2.5", "--request-timeout", "12",
+            "--cors-origin", "http://a.example", "--cors-origin", "https://b.example:8443"]
+    r = CliRunner().invoke(app, argv, env={"CRAWL2CHAT_API_KEY": "from-env"})
+    assert r.exit_code == 0, r.output
+    assert "API key required" in r.output and "from-env" not in r.output
+    assert seen["settings"] == ServerSettings(
+        max_concurrent=3, max_queue=5, max_tokens_limit=77, max_body_bytes=5000, max_messages=7,
+        max_prompt_chars=900, max_prompt_tokens=99, queue_timeout=2.5, request_timeout=12.0, api_key="from-env",
+        cors_origins=("http://a.example", "https://b.example:8443"))
+    r = CliRunner().invoke(app, argv + ["--api-key", "from-flag"], env={"CRAWL2CHAT_API_KEY": "from-env"})
+    assert seen["settings"].api_key == "from-flag"
+
+
+def load_bench_serve():
+    spec = importlib.util.spec_from_file_location("bench_serve", Path(__file__).parents[1] / "benchmarks" / "bench_serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_short_soak(model_dir, tmp_path):
+    """`crawl2chat serve` in its own process, API key from the environment,
+    under ~10 s of mixed load with hang-ups and oversized bodies: /health
+    answers throughout, no slot leaks, a normal request works afterwards, and
+    the server's memory stays flat."""
+    bench = load_bench_serve()
+    key = "soak-" + "k" * 16
+    proc, url = bench.start_server(model_dir, "none", 2, env={"CRAWL2CHAT_API_KEY": key},
+                                   extra=("--max-body-bytes", 8192, "--max-tokens", 200, "--request-timeout", 60),
+                                   entry=("-m", "crawl2chat.cli", "serve"), log=tmp_path / "server.log")
+    try:
+        res = bench.soak(url, proc.pid, duration=10, clients=6, api_key=key, body_limit=8192)
+        res = asyncio.run(res)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bench.print_soak(res)
+    assert bench.soak_failures(res, max_rss_growth_mib=48) == []
+    assert res["health_polls"] >= 10 and res["generations_ok"] > 0
+    assert res["hangups"] > 0 and res["status_413"] > 0 and res["status_401"] > 0

@@ -186,3 +186,25 @@ def test_unusable_data_fails_once_with_one_sentence_and_status_2(base, tmp_path)
     log = (run_dir / "train.log").read_text()
     assert {line for line in log.splitlines() if line.startswith("error: ")} == {f"error: {failure['message']}"}
     assert "Traceback" in log
+
+
+def test_a_set_with_few_distinct_rows_holds_out_a_tail_and_never_reports_nan(base, tmp_path):
+    """Three distinct conversations, each ten times: the 2% hash split holds none out, so the
+    last distinct one in hash order is held out; one distinct conversation cannot be split,
+    and the run says it has no held-out set instead of reporting a NaN."""
+    from crawl2chat.stages.training import sft
+    from crawl2chat.stages.training.registry import STAGES
+
+    sets = [x for s in ("seq_len=64", "micro_batch_size=2", "warmup_steps=1", "checkpoint_every=0",
+                        "eval_every=1", "val_fraction=0.02") for x in ("--set", s)]
+    few = write_jsonl(tmp_path / "few.jsonl", sft_rows(3) * 10)
+    m = sft.main(["--base", str(base), "--data", str(few), "--out", str(tmp_path / "few"), "--max-steps", "2", *sets])
+    assert m["held_out_rule"] == "hash_tail" and m["held_out"] == 10 and m["examples"] == 20
+    assert np.isfinite(m["val_loss"])
+    one = write_jsonl(tmp_path / "one.jsonl", sft_rows(1) * 10)
+    m = sft.main(["--base", str(base), "--data", str(one), "--out", str(tmp_path / "one"), "--max-steps", "2", *sets])
+    assert m["held_out_rule"] == "none" and m["held_out"] == 0 and "val_loss" not in m
+    assert STAGES["sft"].report(m) == "2 steps, no held-out set"
+    for run in ("few", "one"):
+        for name in ("metrics.json", "metrics.jsonl"):
+            assert "nan" not in (tmp_path / run / name).read_text().lower(), (run, name)

@@ -1,9 +1,22 @@
-"""The crawler: seed URLs -> WARC files, politely and incrementally.
+"""The crawler: seed URLs -> WARC files, politely, safely and incrementally.
 
-An asyncio crawler on one ``aiohttp`` session. It honours robots.txt (RFC 9309),
-keeps a polite gap between requests to one host, stays inside the allowed
-domains, and writes what it fetched to gzipped WARC files with ``warcio`` so the
-extraction stage reads crawls and downloaded Common Crawl WARCs the same way.
+An asyncio crawler on one ``aiohttp`` session. It honours robots.txt (RFC 9309,
+matched by ``protego``: longest match wins, ``*`` and ``$`` wildcards, Allow over
+an equally long Disallow), keeps a polite gap between requests to one host,
+backs off when a host answers 429 or 503, stays inside its scope, and writes what
+it fetched to gzipped WARC files with ``warcio`` so the extraction stage reads
+crawls and downloaded Common Crawl WARCs the same way.
+
+Scope: by default a crawl stays on the origins of its seeds (scheme, host and
+port; a seed on a default port also admits the same host on the other scheme's
+default port, the usual http -> https upgrade). ``allowed_domains`` widens it:
+``example.org`` admits that host and its subdomains on the default ports,
+``example.org:8080`` on that port. Whatever the scope, connections go only to
+public addresses, plus the non-public ones (loopback, private, link-local) that
+the seeds' hosts and the hosts named in ``allowed_domains`` resolve to when the
+crawl starts: names are resolved before connecting and the address each socket
+is about to connect to is checked again, so a DNS answer that changes during the
+crawl (rebinding) cannot lead it to 169.254.169.254 or a local service.
 
 What lands in the WARC files: a request/response pair for every page fetched
 with status 200 and an allowed content type whose payload is new or changed,
@@ -11,10 +24,16 @@ and a ``revisit`` record for every page that is unchanged (a 304 answer to a
 conditional request, or a 200 whose payload digest equals the stored one).
 Redirects, error answers and skipped pages are counted in the report instead of
 stored, because everything in a ``response`` record is meant to become text.
+Bodies are stored as sent (Content-Encoding kept); their decompressed size is
+bounded while they stream in, so a compression bomb costs ``max_page_bytes``.
 
 Re-crawls into the same ``out_dir`` are incremental: ``crawl_state.json`` keeps,
 per URL, the validators (ETag, Last-Modified), the payload digest and the
 outlinks, so an unchanged page costs a 304 and its links are still followed.
+The state and the WARC files commit together: before each save of the state the
+WARC file in progress is closed under its final name, and a restart discards
+unfinished ``.tmp`` files, whose pages the saved state does not know and which
+are therefore fetched again. A killed crawl loses no page's text.
 
 Nothing here raises on a bad page or a failing server: every URL that was not
 fetched is counted under a reason in ``CrawlResult.skipped``.
@@ -25,41 +44,63 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import email.utils
 import hashlib
 import io
+import ipaddress
 import json
 import os
+import socket
 import time
+import re
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator
-from urllib.parse import urldefrag, urljoin, urlsplit, urlunsplit
-from urllib.robotparser import RobotFileParser
+from typing import Any, AsyncIterator, Iterable
+from urllib.parse import urlsplit
 
 import aiohttp
+from aiohttp.abc import AbstractResolver
+from aiohttp.resolver import DefaultResolver
+from protego import Protego
 from resiliparse.parse.encoding import detect_encoding
 from resiliparse.parse.html import HTMLTree
 from warcio.statusandheaders import StatusAndHeaders
 from warcio.timeutils import datetime_to_iso_date
 from warcio.warcwriter import WARCWriter
+
 from crawl2chat.stages.data.settings import CrawlConfig
+from crawl2chat.stages.data.urls import DEFAULT_PORTS, host_key, normalize_url, origin, parse_domain_entry, parse_origin, site_key
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: crawls into one out_dir are not guarded against each other
+    fcntl = None  # type: ignore[assignment]
 
 STATE_FILE = "crawl_state.json"
 REPORT_FILE = "crawl_report.json"
+LOCK_FILE = "crawl.lock"
 WARC_SUBDIR = "warc"
 
 # RFC 9309 asks crawlers to parse at least the first 500 KiB of a robots.txt.
 ROBOTS_MAX_BYTES = 512 * 1024
+# RFC 9309 asks crawlers to follow at least five redirects for robots.txt.
+ROBOTS_MAX_REDIRECTS = 5
 # Failures kept verbatim in the report; the counters in ``skipped`` stay exact.
 MAX_ERRORS_KEPT = 1000
-# The state file is rewritten after this many pages, so a killed crawl loses little.
-STATE_FLUSH_EVERY = 50
+READ_CHUNK = 64 * 1024
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+RETRY_STATUSES = frozenset({429, 503})
 # Reasons that are policy decisions rather than failures; they are counted but
 # not listed in ``CrawlResult.errors``.
-POLICY_SKIPS = frozenset({"robots", "off_domain", "depth", "max_pages", "max_total_bytes", "content_type"})
+POLICY_SKIPS = frozenset(
+    {"robots", "off_domain", "excluded", "depth", "max_pages", "max_total_bytes", "content_type", "redirect_seen"}
+)
+
+
+# ----------------------------------------------------------------------------- settings
 
 
 @dataclass
@@ -85,44 +126,29 @@ class CrawlResult:
 # ----------------------------------------------------------------------------- URLs
 
 
-def normalize_url(href: str, base: str | None = None) -> str | None:
-    """Absolute http(s) URL without fragment, default port or user info; None if unusable.
+class CrawlScope:
+    """Which URLs a crawl may visit: the seeds' origins plus what ``allowed_domains`` names."""
 
-    Lower-cases scheme and host and gives an empty path "/", so the frontier sees
-    one spelling per page.
-    """
-    href = href.strip()
-    if not href:
-        return None
-    try:
-        url = urljoin(base, href) if base else href
-        url = urldefrag(url).url
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in ("http", "https"):
-            return None
-        host = parts.hostname
-        if not host:
-            return None
-        port = parts.port
-    except ValueError:  # bad port, broken IPv6 literal
-        return None
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host if port is None or port == {"http": 80, "https": 443}[scheme] else f"{host}:{port}"
-    return urlunsplit((scheme, netloc, parts.path or "/", parts.query, ""))
+    def __init__(self, seed_urls: Iterable[str], allowed_domains: Iterable[str]) -> None:
+        self.origins = {origin(u) for u in seed_urls}
+        self.entries = [parse_domain_entry(e) for e in allowed_domains]
 
+    def allows(self, url: str) -> bool:
+        scheme, host, port = origin(url)
+        if (scheme, host, port) in self.origins:
+            return True
+        on_default_port = port == DEFAULT_PORTS.get(scheme)
+        if on_default_port and any(h == host and p == DEFAULT_PORTS[s] for s, h, p in self.origins):
+            return True  # the same host on the other scheme's default port (http <-> https)
+        for domain, entry_port in self.entries:
+            if host == domain or host.endswith("." + domain):
+                if port == entry_port or (entry_port is None and on_default_port):
+                    return True
+        return False
 
-def host_allowed(url: str, allowed_domains: list[str]) -> bool:
-    """True when the URL's host is one of the domains or a subdomain of one."""
-    host = (urlsplit(url).hostname or "").lower()
-    return any(host == d or host.endswith("." + d) for d in allowed_domains)
-
-
-def _site_key(url: str) -> str:
-    """scheme://host[:port] -- the unit robots.txt and politeness apply to."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    def hosts(self) -> set[str]:
+        """Every host named by a seed or an ``allowed_domains`` entry."""
+        return {h for _, h, _ in self.origins} | {h for h, _ in self.entries}
 
 
 def extract_links(body: bytes, page_url: str, charset: str | None = None) -> list[str]:
@@ -151,34 +177,243 @@ def extract_links(body: bytes, page_url: str, charset: str | None = None) -> lis
     return links
 
 
-def _decoded_body(body: bytes, content_encoding: str) -> bytes:
-    """The payload without its Content-Encoding (we ask only for gzip/deflate)."""
-    encoding = content_encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    if encoding in ("gzip", "x-gzip"):
-        return zlib.decompress(body, wbits=16 + zlib.MAX_WBITS)
-    if encoding == "deflate":
-        try:
-            return zlib.decompress(body)
-        except zlib.error:  # raw deflate without zlib header, as some servers send
-            return zlib.decompress(body, wbits=-zlib.MAX_WBITS)
-    raise ValueError(f"unsupported content-encoding {encoding!r}")
-
-
 def payload_digest(body: bytes) -> str:
     """SHA-1 in the WARC spelling ("sha1:" + base32), as in WARC-Payload-Digest."""
     return "sha1:" + base64.b32encode(hashlib.sha1(body).digest()).decode("ascii")
+
+
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds to wait from a Retry-After header (delay-seconds or an HTTP date); None if unusable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(int(value))
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
 
 
 def _utc_now_iso() -> str:
     return datetime_to_iso_date(datetime.now(timezone.utc).replace(tzinfo=None))
 
 
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _write_json_atomically(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(data, indent=1, sort_keys=True))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+class BodyDecoder:
+    """Undoes a Content-Encoding (gzip, deflate) chunk by chunk, never producing more than ``limit`` + 1 bytes.
+
+    ``overflow`` turns true once the decoded size passes ``limit``; the caller
+    stops reading there, so a small compressed body that would expand to
+    gigabytes costs at most ``limit`` bytes of memory. ``finish`` raises
+    ValueError for a compressed stream that ended early or is broken.
+    """
+
+    def __init__(self, content_encoding: str, limit: int) -> None:
+        encoding = content_encoding.strip().lower()
+        self.limit = limit
+        self.size = 0
+        self.overflow = False
+        self._parts: list[bytes] = []
+        self._fed = False
+        self._head = b""  # deflate: the first bytes, until zlib-wrapped or raw is known
+        if encoding in ("", "identity"):
+            self._wbits: int | None = None
+        elif encoding in ("gzip", "x-gzip"):
+            self._wbits = 16 + zlib.MAX_WBITS
+        elif encoding == "deflate":
+            self._wbits = 0  # decided from the first two bytes
+        else:
+            raise ValueError(f"unsupported content-encoding {encoding!r}")
+        self._inflater: Any = zlib.decompressobj(self._wbits) if self._wbits else None
+
+    def _emit(self, data: bytes) -> None:
+        room = self.limit + 1 - self.size
+        if len(data) > room:
+            data = data[:room]
+        if data:
+            self._parts.append(data)
+            self.size += len(data)
+        if self.size > self.limit:
+            self.overflow = True
+
+    def feed(self, data: bytes) -> None:
+        if self.overflow or not data:
+            return
+        self._fed = True
+        if self._wbits is None:
+            self._emit(data)
+            return
+        if self._inflater is None:  # deflate: zlib-wrapped ("deflate" per RFC 9110) or raw, as some servers send
+            self._head += data
+            if len(self._head) < 2:
+                return
+            data, self._head = self._head, b""
+            wrapped = (data[0] & 0x0F) == 8 and ((data[0] << 8) | data[1]) % 31 == 0
+            self._inflater = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        try:
+            while data and not self.overflow:
+                if self._inflater.eof:
+                    if self._wbits != 16 + zlib.MAX_WBITS or not data.strip(b"\0"):
+                        return  # bytes after the end of the stream (padding) are ignored
+                    self._inflater = zlib.decompressobj(self._wbits)  # the next gzip member
+                self._emit(self._inflater.decompress(data, self.limit + 1 - self.size))
+                data = self._inflater.unused_data if self._inflater.eof else self._inflater.unconsumed_tail
+        except zlib.error as exc:
+            raise ValueError(f"broken compressed body: {exc}") from exc
+
+    def finish(self) -> None:
+        """Checks that a compressed body ended where its encoding says it ends."""
+        if self.overflow or self._wbits is None or not self._fed:
+            return
+        if self._inflater is None or not self._inflater.eof:
+            raise ValueError("compressed body ended early")
+
+    def output(self) -> bytes:
+        """The decoded bytes (at most ``limit`` + 1 of them)."""
+        return b"".join(self._parts)
+
+    @property
+    def identity(self) -> bool:
+        return self._wbits is None
+
+
+# ----------------------------------------------------------------------------- addresses
+
+
+BLOCKED_MESSAGE = "address refused by the crawl's address policy"
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+class BlockedAddressError(OSError):
+    """A connection the address policy refuses (a non-public address the crawl was not started on)."""
+
+    def __init__(self, address: str = "") -> None:
+        super().__init__(BLOCKED_MESSAGE)
+        self.address = address
+
+
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address as an IP object, IPv4-mapped/NAT64/6to4 forms reduced to the IPv4 address they carry."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0].strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return ip.ipv4_mapped
+        if ip in _NAT64:
+            return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if ip.sixtofour is not None:
+            return ip.sixtofour
+    return ip
+
+
+def is_public_address(address: str) -> bool:
+    """True for a globally routable unicast address; False for loopback, private, link-local, CGNAT, reserved..."""
+    ip = _ip(address)
+    return ip is not None and ip.is_global and not ip.is_multicast
+
+
+@dataclass(frozen=True)
+class AddressPolicy:
+    """Which peer addresses a crawl may connect to: every public one, plus ``also_allowed``."""
+
+    also_allowed: frozenset[Any] = frozenset()
+
+    def allows(self, address: str) -> bool:
+        if is_public_address(address):
+            return True
+        ip = _ip(address)
+        return ip is not None and ip in self.also_allowed
+
+    @classmethod
+    async def for_hosts(cls, hosts: Iterable[str]) -> "AddressPolicy":
+        """Admits the non-public addresses the given hosts (seed and allowed_domains hosts) resolve to now."""
+        loop = asyncio.get_running_loop()
+        extra: set[Any] = set()
+        for host in hosts:
+            ip = _ip(host)
+            if ip is not None:
+                addresses = [host]
+            else:
+                try:
+                    infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+                except (OSError, UnicodeError):
+                    continue
+                addresses = [str(info[4][0]) for info in infos]
+            for address in addresses:
+                resolved = _ip(address)
+                if resolved is not None and not is_public_address(address):
+                    extra.add(resolved)
+        return cls(frozenset(extra))
+
+    def socket_factory(self, addr_info: Any) -> socket.socket:
+        """aiohttp's socket factory: refuses an address before a socket is connected to it."""
+        family, type_, proto, _, sockaddr = addr_info
+        if not self.allows(str(sockaddr[0])):
+            raise BlockedAddressError(str(sockaddr[0]))
+        return socket.socket(family=family, type=type_, proto=proto)
+
+    def connector(self, **kwargs: Any) -> tuple[aiohttp.TCPConnector, "PolicyResolver"]:
+        """A TCPConnector that resolves through the policy and checks every address it connects to.
+
+        Returns the resolver too: the connector does not own it, the caller
+        closes it after the connector.
+        """
+        resolver = PolicyResolver(self)
+        return aiohttp.TCPConnector(resolver=resolver, socket_factory=self.socket_factory, **kwargs), resolver
+
+
+class PolicyResolver(AbstractResolver):
+    """Resolves with aiohttp's default resolver and keeps only the addresses the policy allows."""
+
+    def __init__(self, policy: AddressPolicy, inner: AbstractResolver | None = None) -> None:
+        self.policy = policy
+        self._inner = inner
+
+    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> Any:
+        if self._inner is None:
+            self._inner = DefaultResolver()
+        answers = await self._inner.resolve(host, port, family)
+        allowed = [a for a in answers if self.policy.allows(str(a["host"]))]
+        if not allowed:
+            raise BlockedAddressError(host)
+        return allowed
+
+    async def close(self) -> None:
+        if self._inner is not None:
+            await self._inner.close()
+
+
+def _is_blocked(exc: BaseException) -> bool:
+    return isinstance(getattr(exc, "os_error", None), BlockedAddressError) or BLOCKED_MESSAGE in str(exc)
 
 
 # ----------------------------------------------------------------------------- WARC output
@@ -228,12 +463,14 @@ class RotatingWarcWriter:
             self.close()
 
     def close(self) -> None:
+        """Finish the current file (fsync, rename into place); a no-op when none is open."""
         if self._file is None or self._final_path is None:
             return
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self._final_path.with_name(self._final_path.name + ".tmp"), self._final_path)
+        _fsync_dir(self.warc_dir)
         self.paths.append(str(self._final_path))
         self._file = self._writer = self._final_path = None
 
@@ -246,7 +483,8 @@ class HostGate:
 
     A request may start no earlier than ``delay`` after the previous start and
     after the previous answer was finished, so one host never sees requests
-    closer than ``delay`` apart, measured from either side.
+    closer than ``delay`` apart, measured from either side. ``defer`` pushes the
+    next start further out (a 429/503 answer's Retry-After).
     """
 
     def __init__(self, concurrency: int, delay_s: float) -> None:
@@ -254,6 +492,10 @@ class HostGate:
         self._slots = asyncio.Semaphore(concurrency)
         self._start_lock = asyncio.Lock()
         self._next_start = 0.0
+
+    def defer(self, seconds: float) -> None:
+        """No request to this host starts within ``seconds`` from now."""
+        self._next_start = max(self._next_start, asyncio.get_running_loop().time() + seconds)
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -269,6 +511,19 @@ class HostGate:
                 self._next_start = max(self._next_start, loop.time() + self.delay_s)
 
 
+@dataclass
+class RobotsRules:
+    """One site's robots.txt verdicts: parsed rules, or allow-all (4xx), or disallow-all (unavailable)."""
+
+    parser: Protego | None = None
+    unavailable: bool = False
+
+    def allows(self, url: str, agent: str) -> bool:
+        if self.unavailable:
+            return False
+        return self.parser is None or bool(self.parser.can_fetch(url, agent))
+
+
 # ----------------------------------------------------------------------------- fetching
 
 
@@ -282,7 +537,8 @@ class Fetched:
     http_version: str = "HTTP/1.1"
     headers: list[tuple[str, str]] = field(default_factory=list)
     request_headers: list[tuple[str, str]] = field(default_factory=list)
-    body: bytes = b""
+    body: bytes = b""  # as sent (Content-Encoding kept), for the WARC record
+    decoded: bytes | None = None  # the body without its Content-Encoding, when it had one
     content_type: str = ""
     charset: str | None = None
     skip: str | None = None
@@ -308,19 +564,6 @@ def _stored_headers(raw_headers: Any) -> list[tuple[str, str]]:
     return headers
 
 
-async def _read_at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
-    """Up to ``limit`` bytes of a body (``StreamReader.read(n)`` may stop at the first chunk)."""
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await stream.read(limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
-
-
 class Crawler:
     """One crawl: frontier, workers, robots cache, politeness gates, WARC and state."""
 
@@ -333,23 +576,28 @@ class Crawler:
         self.result = CrawlResult(started_at=_utc_now_iso())
         self.skipped: Counter[str] = Counter()
         self.allowed_content_types = {t.lower() for t in cfg.allowed_content_types}
-        self.old_state: dict[str, dict[str, Any]] = self._load_state()
-        self.state: dict[str, dict[str, Any]] = dict(self.old_state)
+        self.robots_agent = cfg.user_agent.split("/", 1)[0].strip() or cfg.user_agent
+        # Origin fetched -> origin recorded, and back (site_aliases).
+        self.aliases = {parse_origin(k): parse_origin(v) for k, v in cfg.site_aliases.items()}
+        self.unaliases = {recorded: fetched for fetched, recorded in self.aliases.items()}
+        self.old_state: dict[str, dict[str, Any]] = {}
+        self.state: dict[str, dict[str, Any]] = {}
         self.seen: set[str] = set()
         self.off_domain_urls: set[str] = set()  # counted once, however often linked
         self.too_deep_urls: set[str] = set()  # counted once; forgiven if found again closer to a seed
         self.queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self.gates: dict[str, HostGate] = {}
-        self.robots: dict[str, asyncio.Task[RobotFileParser]] = {}
+        self.robots: dict[str, asyncio.Task[RobotsRules]] = {}
         self.robots_unavailable: set[str] = set()
         self.pages_in_flight = 0  # fetches holding a max_pages slot
         self.pages_done = 0  # fetches that ended in a page (200 or 304)
+        self.pages_since_checkpoint = 0
         self.page_budget = asyncio.Condition()
         self.warc = RotatingWarcWriter(self.out_dir / WARC_SUBDIR, cfg.warc_max_bytes, cfg.user_agent)
-        seed_hosts = [urlsplit(u).hostname for u in (normalize_url(s) for s in cfg.seed_urls) if u]
-        self.allowed_domains = [d.lower().strip(".") for d in cfg.allowed_domains] or sorted(
-            {h for h in seed_hosts if h}
-        )
+        self.seeds = [u for u in (normalize_url(s) for s in cfg.seed_urls) if u]
+        self.scope = CrawlScope(self.seeds, cfg.allowed_domains)
+        self.excluded = re.compile("|".join(f"(?:{p})" for p in cfg.exclude_url_patterns)) if cfg.exclude_url_patterns else None
+        self.policy = AddressPolicy()  # replaced in run(), once the seed hosts are resolved
 
     # -- bookkeeping --------------------------------------------------------
 
@@ -365,17 +613,57 @@ class Crawler:
             return {}
         return {url: entry for url, entry in data.items() if isinstance(entry, dict)}
 
+    def _discard_unfinished(self) -> None:
+        """Remove what a killed crawl left half-written.
+
+        A ``.tmp`` WARC file holds only pages written after the last saved state
+        (the state is saved right after a file is closed), so the state does not
+        know them and this crawl fetches them again.
+        """
+        warc_dir = self.out_dir / WARC_SUBDIR
+        if warc_dir.is_dir():
+            for leftover in warc_dir.glob("*.warc.gz.tmp"):
+                leftover.unlink(missing_ok=True)
+        for name in (STATE_FILE, REPORT_FILE):
+            (self.out_dir / (name + ".tmp")).unlink(missing_ok=True)
+
+    def _checkpoint(self) -> None:
+        """Close the WARC file in progress, then save the state: every page the state knows is durable."""
+        self.warc.close()
+        _write_json_atomically(self.out_dir / STATE_FILE, self.state)
+        self.pages_since_checkpoint = 0
+
     def _skip(self, url: str, reason: str) -> None:
         self.skipped[reason] += 1
         if reason not in POLICY_SKIPS and len(self.result.errors) < MAX_ERRORS_KEPT:
             self.result.errors.append((url, reason))
 
+    def _recorded(self, url: str) -> str:
+        """The URL as WARC records and the state name it (``site_aliases`` applied)."""
+        if self.aliases:
+            origin = site_key(url)
+            if origin in self.aliases:
+                return self.aliases[origin] + url[len(origin):]
+        return url
+
+    def _fetchable(self, url: str) -> str:
+        """The URL to fetch for one the state recorded."""
+        if self.unaliases:
+            origin = site_key(url)
+            if origin in self.unaliases:
+                return self.unaliases[origin] + url[len(origin):]
+        return url
+
     def _enqueue(self, url: str, depth: int) -> None:
         if url in self.seen or url in self.off_domain_urls:
             return
-        if not host_allowed(url, self.allowed_domains):
+        if not self.scope.allows(url):
             self.off_domain_urls.add(url)
             self._skip(url, "off_domain")
+            return
+        if self.excluded is not None and self.excluded.search(url):
+            self.off_domain_urls.add(url)
+            self._skip(url, "excluded")
             return
         if depth > self.cfg.max_depth:
             if url not in self.too_deep_urls:
@@ -389,10 +677,27 @@ class Crawler:
         self.queue.put_nowait((url, depth))
 
     def _gate(self, url: str) -> HostGate:
-        key = _site_key(url)
+        key = host_key(url)
         if key not in self.gates:
             self.gates[key] = HostGate(self.cfg.per_host_concurrency, self.cfg.per_host_delay_s)
         return self.gates[key]
+
+    def _retry_wait(self, retry_after: str | None, retries: int) -> float:
+        parsed = parse_retry_after(retry_after)
+        return parsed if parsed is not None else self.cfg.retry_backoff_s * (2**retries)
+
+    def _back_off(self, url: str, retry_after: str | None, retries: int) -> bool:
+        """After a 429/503 answer: hold the host back; True when the request should be retried."""
+        wait = self._retry_wait(retry_after, retries)
+        self._gate(url).defer(min(wait, self.cfg.max_retry_wait_s))
+        return retries < self.cfg.max_retries and wait <= self.cfg.max_retry_wait_s
+
+    def _peer_allowed(self, resp: aiohttp.ClientResponse) -> bool:
+        """The address the answer came from, checked once more against the address policy."""
+        connection = resp.connection
+        transport = connection.transport if connection is not None else None
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        return not peer or self.policy.allows(str(peer[0]))
 
     # -- robots.txt ---------------------------------------------------------
 
@@ -405,41 +710,90 @@ class Crawler:
         """
         if not self.cfg.respect_robots:
             return None
-        key = _site_key(url)
+        key = site_key(url)
         if key not in self.robots:
             self.robots[key] = asyncio.ensure_future(self._fetch_robots(key))
         rules = await self.robots[key]
-        if rules.can_fetch(self.cfg.user_agent, url):
+        if rules.allows(url, self.robots_agent):
             return None
-        return "robots_unavailable" if key in self.robots_unavailable else "robots"
+        return "robots_unavailable" if rules.unavailable else "robots"
 
-    async def _fetch_robots(self, site: str) -> RobotFileParser:
-        """Rules for one site per RFC 9309: 4xx allows all, 5xx or no answer disallows all."""
-        rules = RobotFileParser(site + "/robots.txt")
-        try:
-            async with self._gate(site).slot():
-                async with self.session.get(site + "/robots.txt", allow_redirects=True, max_redirects=5) as resp:
-                    status = resp.status
-                    body = await _read_at_most(resp.content, ROBOTS_MAX_BYTES)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-            status, body = 0, b""
-        if 400 <= status < 500:
-            rules.allow_all = True
-        elif status != 200:
-            rules.disallow_all = True
+    async def _fetch_robots(self, site: str) -> RobotsRules:
+        """Rules for one site per RFC 9309: 4xx allows all; 5xx, no answer, or a redirect off the host disallows all.
+
+        Redirects are followed (up to five) only on the same host and inside the
+        crawl's scope; 429/503 answers are retried like pages.
+        """
+        url = site + "/robots.txt"
+        hops = retries = 0
+        while True:
+            status, location, retry_after, body = await self._get_robots(url)
+            if status in RETRY_STATUSES and self._back_off(url, retry_after, retries):
+                retries += 1
+                continue
+            if status in REDIRECT_STATUSES and location:
+                target = normalize_url(location, url)
+                hops += 1
+                if (
+                    target is not None
+                    and hops <= ROBOTS_MAX_REDIRECTS
+                    and host_key(target) == host_key(url)
+                    and self.scope.allows(target)
+                ):
+                    url = target
+                    continue
+                status = 0  # not followed: the rules are unknown
+            break
+        if 400 <= status < 500 and status != 429:
+            return RobotsRules()
+        if status != 200 or body is None:
             self.robots_unavailable.add(site)
-        else:
-            rules.parse(body.decode("utf-8", errors="replace").splitlines())
-            delay = rules.crawl_delay(self.cfg.user_agent)
-            if delay:
-                gate = self._gate(site)
-                gate.delay_s = max(gate.delay_s, float(delay))
-        return rules
+            return RobotsRules(unavailable=True)
+        try:
+            parser = Protego.parse(body.decode("utf-8", errors="replace"))
+            delay = parser.crawl_delay(self.robots_agent)
+        except Exception:  # a robots.txt the parser cannot take: its rules are unknown
+            self.robots_unavailable.add(site)
+            return RobotsRules(unavailable=True)
+        if delay:
+            gate = self._gate(site)
+            gate.delay_s = max(gate.delay_s, float(delay))
+        return RobotsRules(parser=parser)
+
+    async def _get_robots(self, url: str) -> tuple[int, str | None, str | None, bytes | None]:
+        """(status, Location, Retry-After, decoded body) of one robots.txt request; status 0 when it failed.
+
+        The body is decoded from its Content-Encoding and cut at ROBOTS_MAX_BYTES;
+        a body that cannot be decoded comes back as None.
+        """
+        try:
+            async with self._gate(url).slot():
+                async with self.session.get(url, allow_redirects=False) as resp:
+                    if not self._peer_allowed(resp):
+                        return 0, None, None, None
+                    status = resp.status
+                    location, retry_after = resp.headers.get("Location"), resp.headers.get("Retry-After")
+                    if status != 200:
+                        return status, location, retry_after, None
+                    decoder = BodyDecoder(resp.headers.get("Content-Encoding", ""), ROBOTS_MAX_BYTES)
+                    raw = 0
+                    async for chunk in resp.content.iter_chunked(READ_CHUNK):
+                        raw += len(chunk)
+                        decoder.feed(chunk)
+                        if decoder.overflow or raw > 4 * ROBOTS_MAX_BYTES:
+                            break  # what was read so far is enough
+                    else:
+                        decoder.finish()
+                    return status, location, retry_after, decoder.output()[:ROBOTS_MAX_BYTES]
+        except ValueError:  # unsupported or broken Content-Encoding
+            return 200, None, None, None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return 0, None, None, None
 
     # -- one HTTP exchange --------------------------------------------------
 
     def _conditional_headers(self, url: str) -> dict[str, str]:
-        stored = self.old_state.get(url) if self.cfg.incremental else None
+        stored = self.old_state.get(self._recorded(url)) if self.cfg.incremental else None
         headers: dict[str, str] = {}
         if stored:
             if stored.get("etag"):
@@ -456,6 +810,9 @@ class Crawler:
                 async with self.session.get(
                     url, allow_redirects=False, headers=self._conditional_headers(url)
                 ) as resp:
+                    if not self._peer_allowed(resp):
+                        fetched.skip = "blocked_address"
+                        return fetched
                     fetched.status, fetched.reason = resp.status, resp.reason or ""
                     fetched.http_version = f"HTTP/{resp.version.major}.{resp.version.minor}" if resp.version else "HTTP/1.1"
                     fetched.headers = _stored_headers(resp.raw_headers)
@@ -470,11 +827,12 @@ class Crawler:
             fetched.skip = "bad_url"
         except aiohttp.ClientPayloadError:
             fetched.skip = "payload_error"
-        except (aiohttp.ClientError, OSError):
-            fetched.skip = "connection_error"
+        except (aiohttp.ClientError, OSError) as exc:
+            fetched.skip = "blocked_address" if _is_blocked(exc) else "connection_error"
         return fetched
 
     async def _read_page_body(self, resp: aiohttp.ClientResponse, fetched: Fetched) -> None:
+        """Streams the body in, stopping as soon as it, or what it decompresses to, passes max_page_bytes."""
         if fetched.content_type not in self.allowed_content_types:
             fetched.skip = "content_type"
             return
@@ -482,17 +840,29 @@ class Crawler:
         if resp.content_length is not None and resp.content_length > limit:
             fetched.skip = "too_large"
             return
+        try:
+            decoder = BodyDecoder(fetched.header("Content-Encoding") or "", limit)
+        except ValueError:  # an encoding we did not ask for: its size cannot be bounded
+            fetched.skip = "content_encoding"
+            return
         chunks: list[bytes] = []
         size = 0
-        async for chunk in resp.content.iter_chunked(64 * 1024):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                fetched.skip = "too_large"
-                break
+        try:
+            async for chunk in resp.content.iter_chunked(READ_CHUNK):
+                chunks.append(chunk)
+                size += len(chunk)
+                decoder.feed(chunk)
+                if size > limit or decoder.overflow:
+                    fetched.skip = "too_large"
+                    break
+            else:
+                decoder.finish()
+        except ValueError:
+            fetched.skip = "payload_error"
         self.result.bytes_fetched += size
         if fetched.skip is None:
             fetched.body = b"".join(chunks)
+            fetched.decoded = None if decoder.identity else decoder.output()
 
     # -- one frontier entry -------------------------------------------------
 
@@ -530,31 +900,48 @@ class Crawler:
             await self._release_page_slot(was_page)
 
     async def _follow(self, url: str, depth: int) -> bool:
-        """Fetch a URL, following redirects hop by hop; True when it ended in a page."""
+        """Fetch a URL, following redirects hop by hop and retrying 429/503; True when it ended in a page.
+
+        A redirect to a URL this crawl already has (fetched or queued) is not
+        fetched again; it is counted as redirect_seen.
+        """
         current = url
-        for hop in range(self.cfg.max_redirects + 1):
-            if hop:
-                if not host_allowed(current, self.allowed_domains):
-                    self._skip(current, "off_domain")
-                    return False
-                verdict = await self._robots_verdict(current)
-                if verdict:
-                    self._skip(current, verdict)
-                    return False
+        hops = retries = 0
+        while True:
             fetched = await self._request(current)
             if fetched.skip:
                 self._skip(current, fetched.skip)
                 return False
+            if fetched.status in RETRY_STATUSES:
+                if self._back_off(current, fetched.header("Retry-After"), retries):
+                    retries += 1
+                    continue
+                self._skip(current, f"http_{fetched.status}")
+                return False
             location = fetched.header("Location")
-            if fetched.status in (301, 302, 303, 307, 308) and location:
+            if fetched.status in REDIRECT_STATUSES and location:
                 target = normalize_url(location, current)
                 if target is None:
                     self._skip(current, "bad_redirect")
                     return False
-                current = target
-                self.seen.add(current)
+                hops += 1
+                if hops > self.cfg.max_redirects:
+                    self._skip(url, "redirect_limit")
+                    return False
+                if not self.scope.allows(target):
+                    self._skip(target, "off_domain")
+                    return False
+                if target in self.seen:
+                    self._skip(target, "redirect_seen")
+                    return False
+                self.seen.add(target)
+                verdict = await self._robots_verdict(target)
+                if verdict:
+                    self._skip(target, verdict)
+                    return False
+                current, retries = target, 0
                 continue
-            if fetched.status == 304 and current in self.old_state:
+            if fetched.status == 304 and self._recorded(current) in self.old_state:
                 self._not_modified(fetched, depth)
                 return True
             if fetched.status != 200:
@@ -562,38 +949,36 @@ class Crawler:
                 return False
             self._page(fetched, depth)
             return True
-        self._skip(url, "redirect_limit")
-        return False
 
     def _not_modified(self, fetched: Fetched, depth: int) -> None:
-        stored = dict(self.old_state[fetched.url])
+        key = self._recorded(fetched.url)
+        stored = dict(self.old_state[key])
         self.warc.write(self._revisit_record(fetched, stored))
         stored["fetched_at"] = _utc_now_iso()
         stored["etag"] = fetched.header("ETag") or stored.get("etag")
         stored["last_modified"] = fetched.header("Last-Modified") or stored.get("last_modified")
-        self.state[fetched.url] = stored
+        self.state[key] = stored
         self.result.pages_not_modified += 1
-        self._after_page(stored.get("outlinks", []), depth)
+        self._after_page([self._fetchable(link) for link in stored.get("outlinks", [])], depth)
 
     def _page(self, fetched: Fetched, depth: int) -> None:
+        key = self._recorded(fetched.url)
         digest = payload_digest(fetched.body)
         outlinks: list[str] = []
         if fetched.content_type in ("text/html", "application/xhtml+xml"):
             try:
-                html = _decoded_body(fetched.body, fetched.header("Content-Encoding") or "")
+                html = fetched.decoded if fetched.decoded is not None else fetched.body
                 outlinks = extract_links(html, fetched.url, fetched.charset)
-            except (ValueError, zlib.error, UnicodeError) as exc:
+            except (ValueError, UnicodeError) as exc:
                 self._skip(fetched.url, f"links_unreadable:{type(exc).__name__}")
-        previous = self.old_state.get(fetched.url)
+        previous = self.old_state.get(key)
         if previous and previous.get("payload_sha1") == digest:
             self.warc.write(self._revisit_record(fetched, previous))
         else:
             writer = self.warc.writer
-            request = writer.create_warc_record(
-                fetched.url, "request", http_headers=self._request_status_headers(fetched)
-            )
+            request = writer.create_warc_record(key, "request", http_headers=self._request_status_headers(fetched))
             response = writer.create_warc_record(
-                fetched.url,
+                key,
                 "response",
                 payload=io.BytesIO(fetched.body),
                 length=len(fetched.body),
@@ -602,13 +987,13 @@ class Crawler:
                 ),
             )
             self.warc.write(request, response)
-            self.result.changed_urls.append(fetched.url)
-        self.state[fetched.url] = {
+            self.result.changed_urls.append(key)
+        self.state[key] = {
             "etag": fetched.header("ETag"),
             "last_modified": fetched.header("Last-Modified"),
             "payload_sha1": digest,
             "fetched_at": _utc_now_iso(),
-            "outlinks": outlinks,
+            "outlinks": [self._recorded(link) for link in outlinks],
         }
         self.result.pages_fetched += 1
         self._after_page(outlinks, depth)
@@ -616,8 +1001,9 @@ class Crawler:
     def _after_page(self, outlinks: list[str], depth: int) -> None:
         for link in outlinks:
             self._enqueue(link, depth + 1)
-        if (self.result.pages_fetched + self.result.pages_not_modified) % STATE_FLUSH_EVERY == 0:
-            _write_json_atomically(self.out_dir / STATE_FILE, self.state)
+        self.pages_since_checkpoint += 1
+        if self.pages_since_checkpoint >= self.cfg.checkpoint_pages:
+            self._checkpoint()
 
     @staticmethod
     def _request_status_headers(fetched: Fetched) -> StatusAndHeaders:
@@ -627,10 +1013,11 @@ class Crawler:
 
     def _revisit_record(self, fetched: Fetched, stored: dict[str, Any]) -> Any:
         """A revisit record pointing at the earlier capture with the same payload digest."""
+        key = self._recorded(fetched.url)
         return self.warc.writer.create_revisit_record(
-            fetched.url,
+            key,
             digest=stored.get("payload_sha1") or payload_digest(fetched.body),
-            refers_to_uri=fetched.url,
+            refers_to_uri=key,
             refers_to_date=stored.get("fetched_at") or _utc_now_iso(),
             http_headers=StatusAndHeaders(
                 f"{fetched.status} {fetched.reason}".strip(), fetched.headers, protocol=fetched.http_version
@@ -649,33 +1036,60 @@ class Crawler:
             finally:
                 self.queue.task_done()
 
+    @contextlib.contextmanager
+    def _exclusive(self) -> Any:
+        """Holds ``out_dir/crawl.lock``: two crawls never write into one out_dir at once."""
+        if fcntl is None:
+            yield
+            return
+        with open(self.out_dir / LOCK_FILE, "a+") as lock:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"another crawl is writing into {self.out_dir}") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
     async def run(self) -> CrawlResult:
+        with self._exclusive():
+            return await self._run()
+
+    async def _run(self) -> CrawlResult:
         started = time.monotonic()
+        self._discard_unfinished()
+        self.old_state = self._load_state()
+        self.state = dict(self.old_state)
         for seed in self.cfg.seed_urls:
             url = normalize_url(seed)
             if url is None:
                 self._skip(seed, "bad_url")
             else:
                 self._enqueue(url, 0)
+        self.policy = await AddressPolicy.for_hosts(self.scope.hosts())
         timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
-        connector = aiohttp.TCPConnector(
+        connector, resolver = self.policy.connector(
             limit=self.cfg.global_concurrency, limit_per_host=self.cfg.per_host_concurrency
         )
         headers = {"User-Agent": self.cfg.user_agent, "Accept-Encoding": "gzip, deflate"}
-        # auto_decompress=False: the WARC keeps the body exactly as the server sent it.
-        async with aiohttp.ClientSession(
-            timeout=timeout, connector=connector, headers=headers, auto_decompress=False
-        ) as self.session:
-            workers = [asyncio.create_task(self._worker()) for _ in range(self.cfg.global_concurrency)]
-            try:
-                await self.queue.join()
-            finally:
-                for worker in workers:
-                    worker.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
-                for task in self.robots.values():
-                    task.cancel()
-                self.warc.close()
+        try:
+            # auto_decompress=False: the WARC keeps the body exactly as the server sent it.
+            async with aiohttp.ClientSession(
+                timeout=timeout, connector=connector, headers=headers, auto_decompress=False
+            ) as self.session:
+                workers = [asyncio.create_task(self._worker()) for _ in range(self.cfg.global_concurrency)]
+                try:
+                    await self.queue.join()
+                finally:
+                    for worker in workers:
+                        worker.cancel()
+                    await asyncio.gather(*workers, return_exceptions=True)
+                    for task in self.robots.values():
+                        task.cancel()
+                    self.warc.close()
+        finally:
+            await resolver.close()
         _write_json_atomically(self.out_dir / STATE_FILE, self.state)
         self.result.warc_paths = list(self.warc.paths)
         self.result.skipped = {reason: n for reason, n in sorted(self.skipped.items()) if n}

@@ -2,28 +2,42 @@
 
 Web crawls repeat themselves: mirrors, syndicated articles, boilerplate pages
 that differ in a date or a counter. Training on such copies wastes compute and
-teaches memorisation, so each group of copies keeps one document.
+teaches memorisation, so each group of copies keeps one document. Inputs repeat
+themselves too: a truncated re-download of a crawl file, the same archive listed
+twice, or a refresh that reads a copy of a file an earlier version read all give
+the same record (hence the same document id) more than once. Such *repeated
+records* are settled first, so two rows with one id never both survive.
 
 The step works on small *key rows* instead of documents, so no process ever
 holds all documents, signatures or edges:
 
-1. **Keys** (``map_batches``): for every document still in play, one exact row
+1. **Keys** (``map_batches``): for every document still in play, one *copy* row
+   (band_index ``-3``; it names the row's copy, see below), one exact row
    (xxh3-64 of :func:`normalize_for_hash`, band_index ``-1``) and one row per
    LSH band: MinHash bands (``num_bands`` x ``rows_per_band`` permutations over
    word n-gram shingles) or SimHash blocks (the 64-bit fingerprint cut into
    ``simhash_max_hamming + 1`` blocks, so two fingerprints within that Hamming
    distance agree on at least one block exactly).
-2. **Buckets** (hash-sharded groupby on the band hash): documents sharing a
+2. **Repeated records** (hash-sharded groupby on the document id): the copy
+   rows of one id, together with one row per id of the earlier versions'
+   shards (``previous_ids``), decide which copy of a repeated id stays: none
+   when an earlier version holds the id, else the copy with the longest text,
+   then the smallest source file name, then the smallest text hash. The key
+   rows of every other copy are removed here, so a partial copy never links
+   documents, and each repeated id gets one decision row.
+3. **Buckets** (hash-sharded groupby on the band hash): documents sharing a
    bucket become candidate pairs. Each member is linked to the bucket's first
    document only (a star), which keeps connectivity with a linear number of
    edges. SimHash candidates are verified by Hamming distance first.
-3. **Connected components** (hash-sharded groupby on the node, repeated):
+4. **Connected components** (hash-sharded groupby on the node, repeated):
    min-label propagation over adjacency lists; a node that changed its label
    sends it to its neighbours in the next round; stops when nothing changes.
-4. **Attach** (hash-sharded groupby on the document id): the decision per
-   duplicate is joined back onto the documents; ``drop_reason`` becomes
-   ``dedup:exact`` or ``dedup:near`` and ``dup_cluster`` names the kept
-   document of the cluster.
+5. **Attach** (hash-sharded groupby on the document id): the decisions are
+   joined back onto the documents. Every copy of a repeated id but the chosen
+   one gets ``drop_reason`` ``dedup:repeated_record`` (``dup_cluster``: the id
+   itself); the chosen copy, like every other document, gets ``dedup:exact`` or
+   ``dedup:near`` when it duplicates another document, and ``dup_cluster``
+   names the kept document of its cluster.
 
 Every groupby is on a coarse shard number (``num_shards`` values), so one
 Python call handles one shard with plain dicts; per-key ``map_groups`` calls
@@ -33,8 +47,8 @@ Which document a cluster keeps is decided by a *node key*, a string whose
 order is the keep rule: documents from an earlier dataset version (the
 ``previous_index``) sort first, so they are never dropped; then, with
 ``keep="quality"``, higher ``quality_score``; then the smaller id. The cluster
-keeps its smallest node key, whatever order Ray processes rows in, so two runs
-keep the same documents.
+keeps its smallest node key, and a repeated id its smallest copy key, whatever
+order Ray processes rows in, so two runs keep the same documents.
 
 ``ds`` is read twice (keys, then attach): pass a dataset read from Parquet or
 materialised, not a costly lazy chain.
@@ -63,6 +77,11 @@ log = logging.getLogger(__name__)
 
 EXACT_BAND = -1  # band_index of the exact-hash key row
 _COUNT_BAND = -2  # band_index of the per-batch counter row (never bucketed)
+_COPY_BAND = -3  # band_index of a document's copy row (one per row in play)
+_OLD_ID_BAND = -4  # band_index of an id held by an earlier version's shards
+_REPEAT_BAND = -5  # band_index of a repeated id's decision (band_hash: copies dropped)
+REPEATED_RECORD = "dedup:repeated_record"
+_MAX_TEXT_LEN = (1 << 63) - 1  # copy keys store (this - text length): longer texts sort first
 _OLD, _NEW = "0", "1"  # first character of a node key: indexed documents win
 _QUALITY_WIDTH = 16  # hex digits of the encoded quality in a node key
 
@@ -73,6 +92,7 @@ KEY_SCHEMA = pa.schema(
         ("band_index", pa.int32()),
         ("band_hash", pa.int64()),
         ("fingerprint", pa.int64()),  # SimHash fingerprint (0 for other rows)
+        ("copy", pa.string()),  # copy key of the row the key was computed from ("" for old documents)
     ]
 )
 INDEX_SCHEMA = pa.schema(
@@ -165,9 +185,22 @@ def _shard_of(values: Sequence[str], num_shards: int) -> pa.Array:
     return pa.array([xxhash.xxh3_64_intdigest(v.encode()) % num_shards for v in values], pa.int64())
 
 
+def copy_key(text: str | None, source: str | None) -> str:
+    """Order of the copies of one repeated record: the smallest key is kept.
+
+    Longer text first (a truncated copy loses to the whole record), then the
+    smaller source file name, then the smaller text hash, so the choice depends
+    only on the copies themselves, never on the order Ray delivers them in.
+    """
+    text = text or ""
+    digest = xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+    return f"{_MAX_TEXT_LEN - len(text):016x}{source or ''}\x00{digest:016x}"
+
+
 def _doc_keys(batch: pa.Table, cfg: DedupConfig) -> pa.Table:
-    """Documents -> key rows (exact + LSH bands), plus one counter row per batch
-    (band_index -2; band_hash: rows in, fingerprint: documents in play)."""
+    """Documents -> one copy row per document in play, its key rows (exact + LSH
+    bands), plus one counter row per batch (band_index -2; band_hash: rows in,
+    fingerprint: documents compared). ``shard`` is the id's shard."""
     prototype = None
     if cfg.method == "minhash":
         prototype = MinHash(
@@ -177,39 +210,45 @@ def _doc_keys(batch: pa.Table, cfg: DedupConfig) -> pa.Table:
     ids = batch.column("id").to_pylist()
     texts = batch.column("text").to_pylist()
     reasons = _column_or_nulls(batch, "drop_reason")
+    sources = _column_or_nulls(batch, "source")
     qualities = _column_or_nulls(batch, "quality_score") if cfg.keep == "quality" else [None] * n
-    nodes, bands, hashes, fps = [], [], [], []
+    nodes, bands, hashes, fps, copies, shard_ids = [], [], [], [], [], []
     active = 0
-    for doc_id, text, reason, quality in zip(ids, texts, reasons, qualities):
-        if reason or not text:
+    for doc_id, text, reason, source, quality in zip(ids, texts, reasons, sources, qualities):
+        if reason:
             continue
-        normalized = normalize_for_hash(text)
-        if not normalized:  # nothing left to compare (markup, numbers only)
-            continue
-        active += 1
         node = _node_key(doc_id, cfg, quality)
-        rows: list[tuple[int, int, int]] = []
-        if cfg.exact:
-            rows.append((EXACT_BAND, _signed64(xxhash.xxh3_64_intdigest(normalized.encode())), 0))
-        if cfg.method != "none":
-            shingles = word_shingles(normalized, cfg.ngram_size)
-            if cfg.method == "minhash":
-                rows += [(i, h, 0) for i, h in enumerate(minhash_band_hashes(shingles, cfg, prototype))]
-            else:
-                fp = simhash(shingles, cfg.simhash_bits)
-                blocks = simhash_blocks(fp, cfg.simhash_bits, cfg.simhash_max_hamming)
-                rows += [(i, b, _signed64(fp)) for i, b in enumerate(blocks)]
+        copy = copy_key(text, source)
+        # Every row in play has a copy row, even one with nothing to compare: it may repeat another.
+        rows: list[tuple[int, int, int]] = [(_COPY_BAND, 0, 0)]
+        normalized = normalize_for_hash(text) if text else ""
+        if normalized:  # else nothing left to compare (empty, markup, numbers only)
+            active += 1
+            if cfg.exact:
+                rows.append((EXACT_BAND, _signed64(xxhash.xxh3_64_intdigest(normalized.encode())), 0))
+            if cfg.method != "none":
+                shingles = word_shingles(normalized, cfg.ngram_size)
+                if cfg.method == "minhash":
+                    rows += [(i, h, 0) for i, h in enumerate(minhash_band_hashes(shingles, cfg, prototype))]
+                else:
+                    fp = simhash(shingles, cfg.simhash_bits)
+                    blocks = simhash_blocks(fp, cfg.simhash_bits, cfg.simhash_max_hamming)
+                    rows += [(i, b, _signed64(fp)) for i, b in enumerate(blocks)]
         for band, value, fp in rows:
             nodes.append(node)
             bands.append(band)
             hashes.append(value)
             fps.append(fp)
+            copies.append(copy)
+            shard_ids.append(doc_id)
     nodes.append("")
     bands.append(_COUNT_BAND)
     hashes.append(n)
     fps.append(active)
-    table = pa.table([nodes, bands, hashes, fps], schema=KEY_SCHEMA)
-    return _with_band_shard(table, cfg.num_shards)
+    copies.append("")
+    shard_ids.append("")
+    table = pa.table([nodes, bands, hashes, fps, copies], schema=KEY_SCHEMA)
+    return table.append_column("shard", _shard_of(shard_ids, cfg.num_shards))
 
 
 def _column_or_nulls(batch: pa.Table, name: str) -> list:
@@ -219,6 +258,8 @@ def _column_or_nulls(batch: pa.Table, name: str) -> list:
 
 
 def _with_band_shard(table: pa.Table, num_shards: int) -> pa.Table:
+    if "shard" in table.column_names:
+        table = table.drop_columns(["shard"])
     # Mixing in the band index spreads SimHash blocks (small integers) over shards.
     mixed = np.asarray(table.column("band_hash")).astype(np.uint64) ^ (
         np.asarray(table.column("band_index")).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
@@ -230,10 +271,118 @@ def _index_to_keys(batch: pa.Table, cfg: DedupConfig) -> pa.Table:
     """Band rows of a persisted index -> key rows whose node sorts before any new document."""
     nodes = [_node_key(i, cfg, old=True) for i in batch.column("id").to_pylist()]
     table = pa.table(
-        [nodes, batch.column("band_index"), batch.column("band_hash"), batch.column("fingerprint")],
+        [
+            nodes,
+            batch.column("band_index"),
+            batch.column("band_hash"),
+            batch.column("fingerprint"),
+            pa.array([""] * batch.num_rows, pa.string()),
+        ],
         schema=KEY_SCHEMA,
     )
     return _with_band_shard(table, cfg.num_shards)
+
+
+# ---------------------------------------------------------- repeated records
+
+
+def _old_id_rows(batch: pa.Table, cfg: DedupConfig) -> pa.Table:
+    """Ids of an earlier version's shards -> one row each, sharded by id."""
+    ids = [i for i in batch.column("id").to_pylist() if i]
+    n = len(ids)
+    table = pa.table(
+        [[_node_key(i, cfg, old=True) for i in ids], [_OLD_ID_BAND] * n, [0] * n, [0] * n, [""] * n],
+        schema=KEY_SCHEMA,
+    )
+    return table.append_column("shard", _shard_of(ids, cfg.num_shards))
+
+
+def _load_previous_ids(paths: Sequence[str], cfg: DedupConfig) -> ray.data.Dataset | None:
+    if not paths:
+        return None
+    return ray.data.read_parquet(list(paths)).select_columns(["id"]).map_batches(
+        _old_id_rows, fn_kwargs={"cfg": cfg}, batch_format="pyarrow"
+    )
+
+
+def _resolve_repeats(part: pa.Table, cfg: DedupConfig) -> pa.Table:
+    """One id shard of key rows (and old-id rows) -> the key rows of the one
+    copy each id keeps, plus a decision row (band_index -5) per repeated id:
+    ``copy`` is the kept copy's key ("" when an earlier version holds the id,
+    so every copy goes), ``band_hash`` the number of copies dropped."""
+    cut = _prefix_len(cfg)
+    nodes = part.column("node").to_pylist()
+    bands = part.column("band_index").to_pylist()
+    copies = part.column("copy").to_pylist()
+    old_ids: set[str] = set()
+    copies_of: dict[str, list[str]] = defaultdict(list)
+    for node, band, copy in zip(nodes, bands, copies):
+        if band == _OLD_ID_BAND:
+            old_ids.add(node[cut:])
+        elif band == _COPY_BAND:
+            copies_of[node[cut:]].append(copy)
+    keep: dict[str, str | None] = {}
+    repeat_nodes, repeat_counts, repeat_keep = [], [], []
+    for doc_id, found in copies_of.items():
+        if doc_id in old_ids:
+            keep[doc_id] = None
+        elif len(found) > 1:
+            keep[doc_id] = min(found)
+        else:
+            continue
+        repeat_nodes.append(_node_key(doc_id, cfg, old=True))
+        repeat_counts.append(len(found) - (0 if doc_id in old_ids else 1))
+        repeat_keep.append(keep[doc_id] or "")
+    mask = []
+    seen: set[tuple[str, int]] = set()
+    for node, band, copy in zip(nodes, bands, copies):
+        if band < EXACT_BAND:
+            mask.append(False)
+            continue
+        doc_id = node[cut:]
+        if doc_id not in keep:
+            mask.append(True)
+            continue
+        # Identical copies (the same file read twice) bring identical key rows: keep one of each.
+        take = copy == keep[doc_id] and (node, band) not in seen
+        if take:
+            seen.add((node, band))
+        mask.append(take)
+    kept = part.select(KEY_SCHEMA.names).filter(pa.array(mask, pa.bool_()))
+    n = len(repeat_nodes)
+    decisions = pa.table(
+        [repeat_nodes, [_REPEAT_BAND] * n, repeat_counts, [0] * n, repeat_keep], schema=KEY_SCHEMA
+    )
+    return pa.concat_tables([kept.cast(KEY_SCHEMA), decisions])
+
+
+def _only_bands(batch: pa.Table, num_shards: int) -> pa.Table:
+    batch = batch.filter(pc.greater_equal(batch.column("band_index"), EXACT_BAND))
+    return _with_band_shard(batch, num_shards)
+
+
+def _repeat_decisions(batch: pa.Table, cfg: DedupConfig) -> pa.Table:
+    """Decision rows of repeated ids -> attach rows (see DECISION_SCHEMA)."""
+    batch = batch.filter(pc.equal(batch.column("band_index"), _REPEAT_BAND))
+    cut = _prefix_len(cfg)
+    ids = [node[cut:] for node in batch.column("node").to_pylist()]
+    n = len(ids)
+    return pa.table(
+        [
+            ids,
+            pa.nulls(n, pa.string()),
+            pa.nulls(n, pa.string()),
+            [True] * n,
+            batch.column("copy"),
+            _shard_of(ids, cfg.num_shards),
+        ],
+        schema=DECISION_SCHEMA,
+    )
+
+
+def _count_repeats(batch: pa.Table) -> pa.Table:
+    repeats = batch.filter(pc.equal(batch.column("band_index"), _REPEAT_BAND))
+    return pa.table({"n": [int(pc.sum(repeats.column("band_hash")).as_py() or 0)]})
 
 
 # ------------------------------------------------------------------- buckets
@@ -440,10 +589,12 @@ DECISION_SCHEMA = pa.schema(
         ("_dedup_reason", pa.string()),
         ("_dedup_cluster", pa.string()),
         ("_dedup_decision", pa.bool_()),  # tells decision rows from document rows after the union
+        # Repeated ids only: the copy key of the copy to keep ("" for none); null on cluster decisions.
+        ("_dedup_keep_copy", pa.string()),
         ("shard", pa.int64()),
     ]
 )
-_DECISION_COLUMNS = ["_dedup_reason", "_dedup_cluster", "_dedup_decision"]
+_DECISION_COLUMNS = ["_dedup_reason", "_dedup_cluster", "_dedup_decision", "_dedup_keep_copy"]
 
 
 def _decisions(state: pa.Table, cfg: DedupConfig) -> pa.Table:
@@ -460,7 +611,10 @@ def _decisions(state: pa.Table, cfg: DedupConfig) -> pa.Table:
         clusters.append(label[cut:])
         reasons.append(None if node == label else ("dedup:exact" if exact else "dedup:near"))
     shards = _shard_of(ids, cfg.num_shards)
-    return pa.table([ids, reasons, clusters, [True] * len(ids), shards], schema=DECISION_SCHEMA)
+    n = len(ids)
+    return pa.table(
+        [ids, reasons, clusters, [True] * n, pa.nulls(n, pa.string()), shards], schema=DECISION_SCHEMA
+    )
 
 
 def _count_reasons(batch: pa.Table) -> pa.Table:
@@ -479,27 +633,49 @@ def _docs_with_id_shard(batch: pa.Table, num_shards: int) -> pa.Table:
 
 def _apply_decisions(part: pa.Table, columns: Sequence[str]) -> pa.Table:
     """One id shard of documents and decisions -> the documents with
-    drop_reason and dup_cluster set."""
+    drop_reason and dup_cluster set.
+
+    Of the copies of a repeated id, the one whose copy key the decision names
+    (the first such row, when identical copies share it) takes the id's cluster
+    decision; every other copy is dropped as a repeated record.
+    """
+    keep_copy: dict[str, str] = {}
     if "_dedup_decision" in part.column_names:
         is_decision = pc.fill_null(part.column("_dedup_decision"), False)
         decisions = part.filter(is_decision)
         docs = part.filter(pc.invert(is_decision))
-        decided = dict(
-            zip(
-                decisions.column("id").to_pylist(),
-                zip(decisions.column("_dedup_reason").to_pylist(), decisions.column("_dedup_cluster").to_pylist()),
-            )
-        )
+        decided = {}
+        for doc_id, reason, cluster, copy in zip(
+            decisions.column("id").to_pylist(),
+            decisions.column("_dedup_reason").to_pylist(),
+            decisions.column("_dedup_cluster").to_pylist(),
+            decisions.column("_dedup_keep_copy").to_pylist(),
+        ):
+            if copy is None:
+                decided[doc_id] = (reason, cluster)
+            else:
+                keep_copy[doc_id] = copy
         docs = docs.drop_columns([c for c in _DECISION_COLUMNS if c in docs.column_names])
     else:
         docs, decided = part, {}
     reasons = _column_or_nulls(docs, "drop_reason")
+    texts = docs.column("text").to_pylist() if keep_copy else []
+    sources = _column_or_nulls(docs, "source") if keep_copy else []
+    taken: set[str] = set()
     clusters = []
     for i, doc_id in enumerate(docs.column("id").to_pylist()):
+        if reasons[i]:  # dropped before: passes through
+            clusters.append(None)
+            continue
+        if doc_id in keep_copy:
+            if doc_id in taken or copy_key(texts[i], sources[i]) != keep_copy[doc_id]:
+                reasons[i] = REPEATED_RECORD
+                clusters.append(doc_id)
+                continue
+            taken.add(doc_id)
         reason, cluster = decided.get(doc_id, (None, None))
         clusters.append(cluster)
-        if reason and not reasons[i]:
-            reasons[i] = reason
+        reasons[i] = reason
     docs = docs.drop_columns(["shard"] + (["drop_reason"] if "drop_reason" in docs.column_names else []))
     docs = docs.append_column("drop_reason", pa.array(reasons, pa.string()))
     docs = docs.append_column("dup_cluster", pa.array(clusters, pa.string()))
@@ -618,30 +794,54 @@ def _without_counters(batch: pa.Table) -> pa.Table:
 
 
 def dedup(
-    ds: ray.data.Dataset, cfg: DedupConfig, work_dir: str, previous_index: Sequence[str] = ()
+    ds: ray.data.Dataset,
+    cfg: DedupConfig,
+    work_dir: str,
+    previous_index: Sequence[str] = (),
+    previous_ids: Sequence[str] = (),
 ) -> tuple[ray.data.Dataset, dict]:
-    """Mark exact and near duplicates in ``ds``; returns (documents, stats).
+    """Mark repeated records, exact and near duplicates in ``ds``; returns (documents, stats).
 
     Every input row comes back (the returned dataset is lazy, row order is not
-    kept); duplicates get ``drop_reason`` ``dedup:exact`` or ``dedup:near``,
+    kept). Rows already dropped pass through. Of the rows that share an id, one
+    stays in play (longest text, then smallest ``source``, then smallest text
+    hash) and the others get ``drop_reason`` ``dedup:repeated_record``; every
+    row whose id is in ``previous_ids`` (Parquet files with an ``id`` column:
+    the shards of the earlier versions of the dataset) gets it too, so ids stay
+    unique across versions. Duplicates get ``dedup:exact`` or ``dedup:near``;
     members of a cluster get ``dup_cluster`` (the id of the document the cluster
-    keeps; null for singletons). Rows already dropped pass through. A new
-    document that duplicates one in ``previous_index`` (folders written by an
-    earlier run as ``work_dir/index``) is dropped; indexed ones never are. This
-    run's kept documents are indexed under ``work_dir/index``.
+    keeps; null for singletons; a repeated record's own id). A new document that
+    duplicates one in ``previous_index`` (folders written by an earlier run as
+    ``work_dir/index``) is dropped; indexed ones never are. This run's kept
+    documents are indexed under ``work_dir/index``.
 
-    Stats: docs_in, docs_checked (not dropped before, with text), exact_dups,
-    near_dups, clusters, cluster_size_histogram (members incl. indexed ones ->
-    clusters), candidate_links (links found in band and exact-hash buckets; a pair linked in
-    several shards counts once per shard),
+    Stats: docs_in, docs_checked (not dropped before, with text), repeated_records,
+    exact_dups, near_dups, clusters, cluster_size_histogram (members incl.
+    indexed ones -> clusters), candidate_links (links found in band and
+    exact-hash buckets; a pair linked in several shards counts once per shard),
     cc_rounds.
     """
     keys = ds.map_batches(_doc_keys, fn_kwargs={"cfg": cfg}, batch_format="pyarrow").materialize()
     counts = _reduce_on_driver(keys, _count_docs)
-    keys = keys.map_batches(_without_counters, batch_format="pyarrow").materialize()
+    keys = keys.map_batches(_without_counters, batch_format="pyarrow")
+    old_ids = _load_previous_ids(previous_ids, cfg)
+    if old_ids is not None:
+        keys = keys.union(old_ids)
+    resolved = (
+        keys.groupby("shard", num_partitions=cfg.num_shards)
+        .map_groups(_resolve_repeats, fn_kwargs={"cfg": cfg}, batch_format="pyarrow")
+        .materialize()
+    )
+    repeats = resolved.map_batches(
+        _repeat_decisions, fn_kwargs={"cfg": cfg}, batch_format="pyarrow"
+    ).materialize()
+    keys = resolved.map_batches(
+        _only_bands, fn_kwargs={"num_shards": cfg.num_shards}, batch_format="pyarrow"
+    ).materialize()
     stats: dict = {
         "docs_in": sum(row["rows"] for row in counts),
         "docs_checked": sum(row["active"] for row in counts),
+        "repeated_records": sum(row["n"] for row in _reduce_on_driver(resolved, _count_repeats)),
         "exact_dups": 0,
         "near_dups": 0,
         "clusters": 0,
@@ -649,6 +849,8 @@ def dedup(
         "candidate_links": 0,
         "cc_rounds": 0,
     }
+    if stats["repeated_records"]:
+        log.info("dedup: %d repeated records (ids already read)", stats["repeated_records"])
     all_keys = keys
     old_keys = _load_previous_index(previous_index, cfg)
     if old_keys is not None:
@@ -661,7 +863,9 @@ def dedup(
     stats["candidate_links"] = edges.count() // 2  # each link is stored in both directions
     if stats["candidate_links"] == 0:
         _write_index(keys, None, cfg, work_dir)
-        return ds.map_batches(_with_null_cluster, batch_format="pyarrow"), stats
+        if not stats["repeated_records"]:
+            return ds.map_batches(_with_null_cluster, batch_format="pyarrow"), stats
+        return _attach(ds, repeats, cfg), stats
 
     state, stats["cc_rounds"] = connected_components(edges, cfg.num_shards, cfg.max_rounds)
     log.info("dedup: connected components converged after %d rounds", stats["cc_rounds"])
@@ -675,16 +879,19 @@ def dedup(
     stats["clusters"] = sum(histogram.values())
     stats["cluster_size_histogram"] = dict(sorted(histogram.items()))
     _write_index(keys, state, cfg, work_dir)
+    return _attach(ds, decisions.union(repeats), cfg), stats
 
+
+def _attach(ds: ray.data.Dataset, decisions: ray.data.Dataset, cfg: DedupConfig) -> ray.data.Dataset:
+    """Join the decision rows onto the documents by id shard."""
     columns = [c for c in ds.schema().names if c != "dup_cluster"]
     columns += [c for c in ("drop_reason", "dup_cluster") if c not in columns]
     docs = ds.map_batches(_docs_with_id_shard, fn_kwargs={"num_shards": cfg.num_shards}, batch_format="pyarrow")
-    out = (
+    return (
         docs.union(decisions)
         .groupby("shard", num_partitions=cfg.num_shards)
         .map_groups(_apply_decisions, fn_kwargs={"columns": columns}, batch_format="pyarrow")
     )
-    return out, stats
 
 
 def _with_null_cluster(batch: pa.Table) -> pa.Table:

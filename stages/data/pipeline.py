@@ -278,8 +278,11 @@ def block_step(
     cfg: Any,
     make_blocks: Callable[[], list],
     columns: Sequence[str],
+    identity: Sequence[Any] = (),
 ) -> StepResult:
-    fp = fingerprint(name, upstream.fingerprint, cfg.model_dump())
+    """Run ``make_blocks()`` over the upstream's kept rows; ``identity`` adds inputs beyond ``cfg``
+    (a model file) to the fingerprint."""
+    fp = fingerprint(name, upstream.fingerprint, cfg.model_dump(), *identity)
 
     def build(tmp: str) -> dict[str, Any]:
         if upstream.kept == 0:
@@ -297,51 +300,71 @@ def langid_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
     return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS)
 
 
-def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, Any]]:
-    """Train the quality classifier from the configured example files when it has no model yet.
+def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, Any], list[Any]]:
+    """The quality settings with ``classifier.model`` set, training the classifier when needed.
 
-    A relative ``model_dir`` lives beside the step folders, so each output folder
-    keeps the classifier that filtered it.
+    A given ``model`` is used as it is; its file identity (size, modification time)
+    joins the quality step's fingerprint, so replacing the file reruns the step.
+    Otherwise the classifier is trained from the example files into
+    ``WORK/models/quality_classifier-<fingerprint>.bin``, the fingerprint covering the
+    example files' identities and every training setting: the same files and settings
+    reuse the model, a change trains a new one, and each output folder keeps the
+    classifier that filtered it. Returns ``(cfg, info for the step marker, extra
+    fingerprint parts)``.
     """
     clf = cfg.classifier
     if not clf.enabled:
-        return cfg, {}
-    model_dir = Path(clf.model_dir)
-    if not model_dir.is_absolute():
-        model_dir = Path(work_dir) / model_dir
-    clf = clf.model_copy(update={"model_dir": str(model_dir)})
-    cfg = cfg.model_copy(update={"classifier": clf})
-    from crawl2chat.stages.data.quality_classifier import PARAMS_FILE, train_quality_classifier
-
-    if (model_dir / PARAMS_FILE).exists():
-        return cfg, {"classifier": "reused", "model_dir": str(model_dir)}
+        return cfg, {}, []
+    if clf.model:
+        path = os.path.abspath(clf.model)  # Ray workers may run in another folder
+        cfg = cfg.model_copy(update={"classifier": clf.model_copy(update={"model": path})})
+        return cfg, {"classifier": "given", "model": path}, [files_fingerprint([path])]
     if not (clf.positive_files and clf.negative_files):
         raise ValueError(
-            "data.quality.classifier is enabled but has no model in "
-            f"{model_dir} and no positive_files/negative_files to train one from."
+            "data.quality.classifier is enabled but has neither `model` nor "
+            "positive_files/negative_files to train one from."
         )
-    return cfg, {"classifier": "trained", "model_dir": str(model_dir), **train_quality_classifier(clf)}
+    from crawl2chat.stages.data.quality_classifier import train_quality_classifier
+
+    training = clf.model_dump(exclude={"enabled", "model", "threshold"})
+    key = fingerprint(
+        "quality_classifier", training, files_fingerprint(clf.positive_files), files_fingerprint(clf.negative_files)
+    )
+    path = Path(work_dir) / "models" / f"quality_classifier-{key}.bin"
+    cfg = cfg.model_copy(update={"classifier": clf.model_copy(update={"model": str(path)})})
+    if path.is_file():
+        return cfg, {"classifier": "reused", "model": str(path)}, []
+    return cfg, {"classifier": "trained", "model": str(path), **train_quality_classifier(clf, path)}, []
 
 
 def quality_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    cfg, classifier_info = prepare_quality_classifier(cfg, work_dir)
-    result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS)
+    cfg, classifier_info, identity = prepare_quality_classifier(cfg, work_dir)
+    result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS, identity)
     result.extra.update(classifier_info)
     return result
 
 
 def dedup_step(
-    upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str] = ()
+    upstream: StepResult,
+    work_dir: str,
+    cfg: Any,
+    previous_index: Sequence[str] = (),
+    previous_shards: Sequence[str] = (),
 ) -> StepResult:
+    """Drop repeated records (an id read twice, or already in ``previous_shards``:
+    the shards of the versions a refresh extends), then exact and near
+    duplicates, also of the documents in the ``previous_index`` folders."""
     from crawl2chat.stages.data.dedup import dedup
 
-    fp = fingerprint("dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index))
+    fp = fingerprint(
+        "dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index), files_fingerprint(previous_shards)
+    )
 
     def build(tmp: str) -> dict[str, Any]:
         if upstream.kept == 0:
             return {}
         index_dir = os.path.join(tmp, "_index_work")
-        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index))
+        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index), list(previous_shards))
         ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
         _write(ds, tmp)
         # The persisted index sits beside the step output, outside the Parquet glob.

@@ -29,8 +29,8 @@ its probability of high quality.
 from __future__ import annotations
 
 import re
-from collections import Counter
 
+import numpy as np
 
 from crawl2chat.stages.data.base import Block, Document
 from crawl2chat.stages.data.quality_classifier import QualityClassifierFilter
@@ -73,26 +73,68 @@ def repetition_units(text: str, lang: str | None, chars_per_word: int) -> tuple[
     return words, (chars_per_word if is_unspaced(text, lang) else 1)
 
 
-def top_ngram_chars(words: list[str], n: int) -> int:
-    """Characters covered by the most frequent n-gram (0 when no n-gram repeats)."""
-    counts = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
-    if not counts:
-        return 0
-    gram, count = counts.most_common(1)[0]
-    return sum(len(w) for w in gram) * count if count > 1 else 0
+class NgramStats:
+    """Word n-gram repetition of one document, vectorised with numpy.
 
+    Each word gets an integer id; the n-grams at every position are hashed at
+    once (a polynomial hash over the ids, modulo 2**64), so the Gopher
+    repetition rules cost a few array operations per n instead of a Python loop
+    that builds a tuple per position. Written here because no text library
+    computes these two Gopher statistics; a 64-bit hash collision between two
+    distinct n-grams of one page is negligible.
+    """
 
-def duplicate_ngram_chars(words: list[str], n: int) -> int:
-    """Characters covered by n-grams that repeat an earlier one, each character counted once."""
-    seen: set[tuple[str, ...]] = set()
-    covered = [False] * len(words)
-    for i in range(len(words) - n + 1):
-        gram = tuple(words[i : i + n])
-        if gram in seen:
-            covered[i : i + n] = [True] * n
-        else:
-            seen.add(gram)
-    return sum(len(w) for w, c in zip(words, covered) if c)
+    _PRIME = np.uint64(0x100000001B3)
+
+    def __init__(self, words: list[str]):
+        vocab: dict[str, int] = {}
+        ids = [vocab.setdefault(w, len(vocab)) for w in words]
+        # Spread small ids over 64 bits (splitmix64's finaliser) before mixing them.
+        x = np.asarray(ids, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        with np.errstate(over="ignore"):
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        self.ids = x ^ (x >> np.uint64(31))
+        self.lengths = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
+
+    def _grams(self, n: int):
+        """(first index of each position's n-gram, count of each position's n-gram), or None."""
+        m = len(self.ids) - n + 1
+        if n <= 0 or m <= 0:
+            return None
+        h = np.zeros(m, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for k in range(n):
+                h = h * self._PRIME + self.ids[k:k + m]
+        _, first, inverse, counts = np.unique(h, return_index=True, return_inverse=True, return_counts=True)
+        return first[inverse], counts[inverse]
+
+    def top_chars(self, n: int) -> int:
+        """Characters covered by the most frequent n-gram (0 when no n-gram repeats);
+        among equally frequent ones, the one that occurs first."""
+        grams = self._grams(n)
+        if grams is None:
+            return 0
+        first, counts = grams
+        top = int(counts.max())
+        if top <= 1:
+            return 0
+        start = int(first[counts == top].min())
+        return int(self.lengths[start:start + n].sum()) * top
+
+    def duplicate_chars(self, n: int) -> int:
+        """Characters covered by n-grams that repeat an earlier one, each character counted once."""
+        grams = self._grams(n)
+        if grams is None:
+            return 0
+        first, _ = grams
+        repeats = np.nonzero(first < np.arange(len(first)))[0]
+        if not len(repeats):
+            return 0
+        cover = np.zeros(len(self.ids) + 1, dtype=np.int64)
+        np.add.at(cover, repeats, 1)
+        np.add.at(cover, repeats + n, -1)
+        return int(self.lengths[np.cumsum(cover[:-1]) > 0].sum())
 
 
 class _Checks:
@@ -221,11 +263,12 @@ class GopherRepetitionFilter(HeuristicFilter):
             return "dup_line_char_frac"
 
         units, per_word = repetition_units(text, doc.get("lang"), cfg.unspaced_chars_per_word)
+        grams = NgramStats(units)
         for n, max_frac in sorted(cfg.top_n_grams.items()):
-            if checks.fails(top_ngram_chars(units, n * per_word) / text_chars > max_frac):
+            if checks.fails(grams.top_chars(n * per_word) / text_chars > max_frac):
                 return f"top_{n}_gram"
         for n, max_frac in sorted(cfg.dup_n_grams.items()):
-            if checks.fails(duplicate_ngram_chars(units, n * per_word) / text_chars > max_frac):
+            if checks.fails(grams.duplicate_chars(n * per_word) / text_chars > max_frac):
                 return f"duplicated_{n}_n_grams"
         return None
 

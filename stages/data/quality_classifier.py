@@ -1,45 +1,38 @@
-"""A fastText-style linear quality classifier, trained from example files.
+"""The fastText quality classifier: trained from example files, or any published one.
 
-The model family is fastText's supervised classifier: hashed word uni/bigrams
-plus hashed character n-grams (fastText's subwords) feeding one logistic unit.
-It is built from scikit-learn rather than the ``fasttext`` package because the
-full package installs the same ``fasttext`` module as ``fasttext-predict``
-(needed by the language-ID model package) and cannot sit beside it.
+Training writes the user's positive and negative examples as a fastText training
+file (``__label__hq <text>`` / ``__label__lq <text>``, labels configurable) and
+runs the real ``fasttext.train_supervised`` on it: hashed word n-grams and
+character n-grams (subwords) feeding a linear classifier. The result is saved as
+a standard fastText ``.bin``, which ``fasttext.load_model`` and the ``fasttext``
+command line read, so it can be handed to other tools; and the filter loads any
+fastText classifier (``.bin`` or ``.ftz``, e.g. the ones DCLM-style pipelines
+publish), keeping the probability of the configured label as ``quality_score``.
 
-Words come from :func:`crawl2chat.stages.data.text.split_words`, so Chinese and
-Japanese text yields one "word" per character and word bigrams are character
-bigrams there; character n-grams work the same in every script.
-
-A saved model is two files in ``model_dir``: ``quality_classifier.json`` (the
-hashing parameters; ``HashingVectorizer`` is stateless, so these fully define
-the features) and ``quality_classifier.safetensors`` (the linear weights). No
-pickle is involved, so a model folder from an untrusted source loads safely.
+Text is turned into one line the same way for training and filtering
+(:func:`crawl2chat.stages.data.fasttext_models.to_line`, the ``preprocess``
+setting), so Chinese and Japanese documents are split into characters and
+punctuation runs count as tokens when the model is trained here.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import fsspec
-import numpy as np
 import pyarrow.parquet as pq
-import scipy.sparse as sp
-from safetensors.numpy import load_file, save_file
-from sklearn.feature_extraction.text import HashingVectorizer
-from sklearn.linear_model import SGDClassifier
 
+from crawl2chat.stages.data import fasttext_models
 from crawl2chat.stages.data.base import Block, Document
-from crawl2chat.stages.data.text import split_words
 from crawl2chat.stages.data.settings import QualityClassifierConfig
 
-MODEL_FORMAT = "crawl2chat.quality_classifier"
-MODEL_VERSION = 1
-PARAMS_FILE = "quality_classifier.json"
-WEIGHTS_FILE = "quality_classifier.safetensors"
+MODEL_SETTING = "data.quality.classifier.model"
 
 
 # ---------------------------------------------------------------------------
@@ -110,77 +103,44 @@ def read_examples(paths: Iterable[str], text_field: str, skipped: Counter) -> li
 # The model
 
 
-def _vectorizer_params(cfg: QualityClassifierConfig) -> dict:
-    """Everything that defines the features, as plain JSON values."""
-    common = {"n_features": cfg.hash_buckets, "alternate_sign": False, "lowercase": True, "norm": "l2"}
-    return {
-        "max_chars": cfg.max_chars,
-        # Input is pre-split with split_words and re-joined with spaces.
-        "word": {**common, "analyzer": "word", "token_pattern": r"\S+", "ngram_range": [1, cfg.word_ngrams]},
-        "char": {**common, "analyzer": "char_wb", "ngram_range": [cfg.char_ngram_min, cfg.char_ngram_max]},
-    }
-
-
-_ALLOWED_ANALYZERS = {"word": {"word"}, "char": {"char", "char_wb"}}
-_ALLOWED_KEYS = {"n_features", "alternate_sign", "lowercase", "norm", "analyzer", "token_pattern", "ngram_range"}
-
-
-def _make_vectorizer(kind: str, params: dict) -> HashingVectorizer:
-    """A HashingVectorizer from saved parameters, accepting only known keys and analyzers."""
-    if set(params) - _ALLOWED_KEYS or params.get("analyzer") not in _ALLOWED_ANALYZERS[kind]:
-        raise ValueError(f"unsupported {kind} vectorizer parameters: {params}")
-    low, high = params["ngram_range"]
-    return HashingVectorizer(**{**params, "ngram_range": (int(low), int(high)), "dtype": np.float64})
-
-
 class QualityClassifier:
-    """Hashed n-gram features + logistic regression weights; predicts P(high quality)."""
+    """A fastText classifier and the label whose probability is the quality score."""
 
-    def __init__(self, params: dict, coef: np.ndarray, intercept: float):
-        self.params = params
-        self.max_chars = int(params["max_chars"])
-        self.word_vectorizer = _make_vectorizer("word", params["word"])
-        self.char_vectorizer = _make_vectorizer("char", params["char"])
-        n_features = self.word_vectorizer.n_features + self.char_vectorizer.n_features
-        coef = np.asarray(coef, dtype=np.float64).reshape(-1)
-        if coef.shape[0] != n_features:
-            raise ValueError(f"weights have {coef.shape[0]} entries, features need {n_features}")
-        self.coef = coef
-        self.intercept = float(intercept)
-
-    def features(self, texts: Iterable[str]) -> sp.csr_matrix:
-        texts = [t[: self.max_chars] if isinstance(t, str) else "" for t in texts]
-        words = self.word_vectorizer.transform([" ".join(split_words(t)) for t in texts])
-        chars = self.char_vectorizer.transform(texts)
-        return sp.hstack([words, chars], format="csr")
-
-    def predict_proba(self, texts: Iterable[str]) -> np.ndarray:
-        """Probability that each text is high quality, shape ``(n,)``."""
-        return _sigmoid(self.features(texts) @ self.coef + self.intercept)
-
-    def save(self, model_dir: str | Path) -> None:
-        model_dir = Path(model_dir)
-        model_dir.mkdir(parents=True, exist_ok=True)
-        meta = {"format": MODEL_FORMAT, "version": MODEL_VERSION, **self.params}
-        (model_dir / PARAMS_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        save_file(
-            {"coef": self.coef, "intercept": np.array([self.intercept], dtype=np.float64)},
-            str(model_dir / WEIGHTS_FILE),
-        )
+    def __init__(self, model, path: str, label: str, preprocess: str = "tokens", max_chars: int = 20_000):
+        labels = fasttext_models.supervised_labels(model, path, MODEL_SETTING)
+        if label not in labels:
+            shown = labels if len(labels) <= 20 else labels[:20] + ["..."]
+            raise ValueError(
+                f"data.quality.classifier.label {label!r} is not a label of {path} (its labels: {shown})"
+            )
+        self.model = model
+        self.path = path
+        self.label = label
+        self.preprocess = preprocess
+        self.max_chars = max_chars
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "QualityClassifier":
-        model_dir = Path(model_dir)
-        meta = json.loads((model_dir / PARAMS_FILE).read_text(encoding="utf-8"))
-        if meta.get("format") != MODEL_FORMAT or meta.get("version") != MODEL_VERSION:
-            raise ValueError(f"{model_dir}: not a {MODEL_FORMAT} v{MODEL_VERSION} model")
-        weights = load_file(str(model_dir / WEIGHTS_FILE))
-        params = {k: meta[k] for k in ("max_chars", "word", "char")}
-        return cls(params, weights["coef"], float(weights["intercept"][0]))
+    def load(cls, cfg: QualityClassifierConfig) -> "QualityClassifier":
+        """The classifier at ``cfg.model`` (loaded once per process)."""
+        if not cfg.model:
+            raise ValueError(f"{MODEL_SETTING} is not set: no classifier to filter with")
+        model = fasttext_models.load_model(cfg.model, MODEL_SETTING)
+        return cls(model, cfg.model, cfg.label, cfg.preprocess, cfg.max_chars)
 
+    def line(self, text: str) -> str:
+        return fasttext_models.to_line(text, self.preprocess, self.max_chars)
 
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(z, dtype=np.float64)))
+    def predict_proba(self, texts: Iterable[str]) -> list[float]:
+        """Probability of ``label`` for each text (non-strings count as empty text)."""
+        lines = [self.line(t) if isinstance(t, str) else "" for t in texts]
+        if not lines:
+            return []
+        all_labels, all_probs = self.model.predict(lines, k=-1)
+        out = []
+        for labels, probs in zip(all_labels, all_probs):
+            prob = next((float(p) for lab, p in zip(labels, probs) if lab == self.label), 0.0)
+            out.append(min(max(prob, 0.0), 1.0))  # fastText's softmax can round past 1
+        return out
 
 
 def _sample(texts: list[str], limit: int | None, rng: random.Random) -> list[str]:
@@ -195,13 +155,16 @@ def _split_heldout(n: int, fraction: float, rng: random.Random) -> tuple[list[in
     return order[n_heldout:], order[:n_heldout]
 
 
-def train_quality_classifier(cfg: QualityClassifierConfig) -> dict[str, float | int | None]:
-    """Train on ``cfg.positive_files`` vs ``cfg.negative_files``, save to ``cfg.model_dir``.
+def train_quality_classifier(cfg: QualityClassifierConfig, output: str | os.PathLike) -> dict[str, float | int | None]:
+    """Train on ``cfg.positive_files`` vs ``cfg.negative_files``; save a fastText ``.bin`` at ``output``.
 
-    Returns metrics: example counts, skipped-line counts by reason, and accuracy
-    on the training set and on a stratified held-out set (None when a class has
-    fewer than 10 examples, too few to hold any out).
+    The file is written atomically (a temporary file in the same folder, then renamed).
+    Returns metrics: example counts, skipped-line counts by reason, and accuracy on
+    the training set and on a stratified held-out set (None when a class has fewer
+    than 10 examples, too few to hold any out).
     """
+    import fasttext
+
     rng = random.Random(cfg.seed)
     skipped: Counter[str] = Counter()
     positives = _sample(read_examples(cfg.positive_files, cfg.text_field, skipped), cfg.max_examples_per_class, rng)
@@ -211,29 +174,45 @@ def train_quality_classifier(cfg: QualityClassifierConfig) -> dict[str, float | 
         files = cfg.positive_files if not positives else cfg.negative_files
         raise ValueError(f"no usable {missing} examples in {files} (skipped: {dict(skipped)})")
 
-    texts = positives + negatives
-    labels = np.array([1] * len(positives) + [0] * len(negatives))
+    def line(text: str) -> str:
+        return fasttext_models.to_line(text, cfg.preprocess, cfg.max_chars)
+
+    examples = [(cfg.label, line(t)) for t in positives] + [(cfg.negative_label, line(t)) for t in negatives]
     pos_train, pos_held = _split_heldout(len(positives), cfg.heldout_fraction, rng)
     neg_train, neg_held = _split_heldout(len(negatives), cfg.heldout_fraction, rng)
     train_idx = pos_train + [len(positives) + i for i in neg_train]
     held_idx = pos_held + [len(positives) + i for i in neg_held]
+    rng.shuffle(train_idx)  # fastText reads the file in order; classes interleaved
 
-    params = _vectorizer_params(cfg)
-    untrained = QualityClassifier(params, np.zeros(2 * cfg.hash_buckets), 0.0)
-    features = untrained.features(texts)
-    sgd = SGDClassifier(
-        loss="log_loss", alpha=cfg.l2, max_iter=cfg.epochs, tol=None,
-        class_weight="balanced", random_state=cfg.seed,
-    )
-    sgd.fit(features[train_idx], labels[train_idx])
-    model = QualityClassifier(params, sgd.coef_[0], sgd.intercept_[0])
-    model.save(cfg.model_dir)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".train-", dir=output.parent) as tmp:
+        train_file = Path(tmp) / "train.txt"
+        with open(train_file, "w", encoding="utf-8") as f:
+            for i in train_idx:
+                label, text = examples[i]
+                f.write(f"{label} {text}\n")
+        try:
+            model = fasttext.train_supervised(
+                input=str(train_file), epoch=cfg.epoch, lr=cfg.lr, dim=cfg.dim, wordNgrams=cfg.word_ngrams,
+                minCount=cfg.min_count, minn=cfg.minn, maxn=cfg.maxn, bucket=cfg.bucket,
+                thread=cfg.threads, seed=cfg.seed, loss="softmax", verbose=0,
+            )
+        except RuntimeError as e:  # "Encountered NaN": the learning rate is too high for the data
+            raise ValueError(f"fastText training failed ({e}); try a smaller data.quality.classifier.lr "
+                             f"than {cfg.lr}") from None
+        partial = Path(tmp) / output.name
+        model.save_model(str(partial))
+        os.replace(partial, output)
+
+    classifier = QualityClassifier(model, str(output), cfg.label, cfg.preprocess, cfg.max_chars)
 
     def accuracy(idx: list[int]) -> float | None:
         if not idx:
             return None
-        probs = _sigmoid(features[idx] @ model.coef + model.intercept)
-        return float(np.mean((probs >= 0.5) == (labels[idx] == 1)))
+        probs = classifier.predict_proba([positives[i] if i < len(positives) else negatives[i - len(positives)]
+                                          for i in idx])
+        return sum((p >= 0.5) == (i < len(positives)) for p, i in zip(probs, idx)) / len(idx)
 
     metrics: dict[str, float | int | None] = {
         "n_pos": len(positives),
@@ -249,10 +228,10 @@ def train_quality_classifier(cfg: QualityClassifierConfig) -> dict[str, float | 
 
 
 class QualityClassifierFilter(Block):
-    """Sets ``quality_score`` to the classifier's probability; drops documents below the threshold.
+    """Sets ``quality_score`` to the probability of the configured label; drops documents below the threshold.
 
-    Documents are scored in batches (one sparse matrix product per batch), not one
-    by one; order and the per-document contract of :class:`Block` are unchanged.
+    Documents are scored in batches (one fastText call per batch), not one by one;
+    order and the per-document contract of :class:`Block` are unchanged.
     """
 
     name = "quality_classifier"
@@ -261,7 +240,7 @@ class QualityClassifierFilter(Block):
         super().__init__()
         self.threshold = cfg.threshold
         self.batch_size = batch_size
-        self.classifier = QualityClassifier.load(cfg.model_dir)
+        self.classifier = QualityClassifier.load(cfg)
 
     def process(self, doc: Document) -> str | None:
         return self._decide(doc, float(self.classifier.predict_proba([doc.get("text")])[0]))

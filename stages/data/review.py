@@ -15,6 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from crawl2chat.stages.data.versions import read_manifest
+from crawl2chat.stages.settings import PROFILES
 from crawl2chat.stages.data.settings import ReviewConfig
 
 
@@ -44,6 +45,22 @@ def _version_files(out: Path) -> tuple[list[Path], list[Path]]:
     return shards, rejected
 
 
+def _profile_lines(manifest: dict) -> list[str]:
+    """The rule profile the version was built with and the settings it set."""
+    data = (manifest.get("config") or {}).get("data") or {}
+    name = data.get("profile")
+    if not PROFILES.get(name):
+        return []
+    lines = ["", f"Rule profile `{name}` (`data.profile`): these settings differ from the published web defaults "
+             "(unless set explicitly):", ""]
+    for key in PROFILES[name]:
+        value = data
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        lines.append(f"- `data.{key}` = `{value}`")
+    return lines
+
+
 def write_review(out_dir: str | Path, cfg: ReviewConfig) -> Path:
     """Write ``OUT/review.md`` from the shards and quarantine of the current version; returns its path."""
     out = Path(out_dir)
@@ -65,6 +82,7 @@ def write_review(out_dir: str | Path, cfg: ReviewConfig) -> Path:
         "|---|---|",
     ]
     lines += [f"| `{r}` | {len(v)} |" for r, v in sorted(by_reason.items(), key=lambda kv: -len(kv[1]))]
+    lines += _profile_lines(read_manifest(out) or {})
     lines += ["", f"## Kept ({min(len(kept), cfg.kept_samples)} of {len(kept)})", ""]
     for row in _sample(kept, cfg.kept_samples, rng):
         score = row.get("quality_score")

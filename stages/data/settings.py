@@ -7,10 +7,12 @@ model forbids unknown fields; every field takes effect in its step.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from crawl2chat.stages.data.urls import domain_entry_text, parse_domain_entry, parse_origin
 from crawl2chat.stages.data.text import NO_TERMINAL_PUNCTUATION_LANGUAGES, TERMINAL_PUNCTUATION
 
 
@@ -24,7 +26,10 @@ class CrawlConfig(BaseModel):
     seed_urls: list[str] = Field(default_factory=list, description="Start URLs (depth 0).")
     allowed_domains: list[str] = Field(
         default_factory=list,
-        description="Host names the crawl may visit (subdomains included). Empty means the hosts of the seeds.",
+        description="Widens the crawl beyond the seeds' origins (scheme, host and port). An entry 'example.org' "
+        "admits that host and its subdomains on the default ports (80, 443); 'example.org:8080' (or "
+        "'[::1]:8080') admits them on that port. Non-public addresses these hosts resolve to at the start are "
+        "admitted too.",
     )
     max_depth: int = Field(default=3, ge=0, description="Links followed away from a seed; seeds are depth 0.")
     max_pages: int = Field(default=200, ge=1, description="Pages fetched (200 or 304) before the crawl stops.")
@@ -34,18 +39,41 @@ class CrawlConfig(BaseModel):
     max_page_bytes: int = Field(
         default=5 * 1024 * 1024,
         ge=1,
-        description="Largest body stored; bigger bodies are cut off, counted as too_large and not stored.",
+        description="Largest body stored, as sent and after undoing its Content-Encoding; reading stops as "
+        "soon as either is exceeded, and the page is counted as too_large and not stored.",
     )
-    per_host_concurrency: int = Field(default=2, ge=1, description="Requests in flight to one host at a time.")
+    per_host_concurrency: int = Field(
+        default=2, ge=1, description="Requests in flight to one host (all its schemes and ports) at a time."
+    )
     per_host_delay_s: float = Field(
         default=0.5,
         ge=0,
-        description="Polite gap between request starts to one host, and after each answer; "
-        "a larger robots.txt Crawl-delay (whole seconds, as urllib.robotparser reads it) wins.",
+        description="Polite gap between request starts to one host (all its schemes and ports), and after "
+        "each answer; a larger robots.txt Crawl-delay wins.",
     )
     global_concurrency: int = Field(default=16, ge=1, description="Requests in flight over all hosts.")
     request_timeout_s: float = Field(default=20.0, gt=0, description="Whole-request timeout (connect + body).")
     max_redirects: int = Field(default=5, ge=0, description="Redirect hops followed before counting redirect_limit.")
+    max_retries: int = Field(
+        default=2,
+        ge=0,
+        description="Retries of a request answered 429 or 503, each after the answer's Retry-After (seconds or "
+        "an HTTP date) or, without one, after retry_backoff_s doubled per retry; the whole host waits too.",
+    )
+    retry_backoff_s: float = Field(
+        default=1.0, ge=0, description="Wait before the first retry when a 429/503 answer has no usable Retry-After."
+    )
+    max_retry_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Longest wait honoured before a retry; an answer asking for more is given up on "
+        "(counted as http_429 / http_503) after the host has waited this long.",
+    )
+    exclude_url_patterns: list[str] = Field(
+        default_factory=list,
+        description="Regular expressions; a URL any of them matches (re.search) is not fetched and is counted "
+        "as excluded. E.g. '/test\\.' keeps a documentation crawl out of a test suite's pages.",
+    )
     allowed_content_types: list[str] = Field(
         default_factory=lambda: ["text/html", "application/xhtml+xml", "text/plain"],
         description="MIME types stored; other answers are counted as content_type and not downloaded.",
@@ -58,10 +86,42 @@ class CrawlConfig(BaseModel):
     warc_max_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="A WARC file is closed and a new one started past this size."
     )
+    checkpoint_pages: int = Field(
+        default=50,
+        ge=1,
+        description="Pages between checkpoints: the WARC file in progress is closed under its final name and "
+        "crawl_state.json saved, so a killed crawl fetches at most this many pages again and loses none.",
+    )
     incremental: bool = Field(
         default=True,
         description="Send If-None-Match / If-Modified-Since from crawl_state.json of an earlier crawl into out_dir.",
     )
+    site_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Origin -> stable origin ('http://127.0.0.1:PORT' -> 'http://127.0.0.1:OLDPORT'): pages of "
+        "the first are fetched there but recorded (WARC target URIs, crawl_state.json, changed_urls) under the "
+        "second, so a site that moved to another port keeps its identity and its re-crawls stay incremental.",
+    )
+
+    @field_validator("allowed_domains")
+    @classmethod
+    def _check_domains(cls, entries: list[str]) -> list[str]:
+        return [domain_entry_text(*parse_domain_entry(e)) for e in entries]
+
+    @field_validator("exclude_url_patterns")
+    @classmethod
+    def _check_patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{pattern!r} is not a regular expression: {e}") from None
+        return patterns
+
+    @field_validator("site_aliases")
+    @classmethod
+    def _check_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
+        return {parse_origin(k): parse_origin(v) for k, v in aliases.items()}
 
 
 # ---------------------------------------------------------------- extract
@@ -140,16 +200,30 @@ class LangIdConfig(BaseModel):
 # ---------------------------------------------------------------- quality_classifier
 
 class QualityClassifierConfig(BaseModel):
+    """A fastText quality classifier: an existing one (``model``) or one trained from example files.
+
+    The score of a document is the classifier's probability of ``label``; documents
+    scoring below ``threshold`` are dropped. A classifier trained here is a standard
+    fastText ``.bin`` (``fasttext.load_model`` reads it); ``model`` accepts any fastText
+    classifier, e.g. a published DCLM- or FineWeb-style one.
+    """
+
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(
         False,
-        description="Score and filter documents with the trained classifier. Off by default: "
-        "it needs a model trained from `positive_files`/`negative_files` first.",
+        description="Score and filter documents with the classifier. Off by default: it needs "
+        "`model` or `positive_files`/`negative_files`.",
+    )
+    model: str | None = Field(
+        None,
+        description="A fastText classifier (.bin or quantized .ftz) to filter with; any labels, the one "
+        "kept is `label`. Leave empty to train one from `positive_files`/`negative_files` (saved as "
+        "WORK/models/quality_classifier-<fingerprint>.bin and reused while files and settings stay the same).",
     )
     positive_files: list[str] = Field(
         default_factory=list,
-        description="High-quality examples: .txt (one document per line), .jsonl/.json "
+        description="High-quality examples to train on: .txt (one document per line), .jsonl/.json "
         "(one object with a `text` field per line; .gz allowed) or .parquet (a `text` column). "
         "Local paths or fsspec URLs.",
     )
@@ -157,30 +231,74 @@ class QualityClassifierConfig(BaseModel):
         default_factory=list, description="Low-quality examples, same formats as `positive_files`."
     )
     text_field: str = Field("text", description="Field/column holding the text in JSONL and Parquet files.")
-    model_dir: str = Field(
-        "models/quality_classifier", description="Folder the trained model is written to and loaded from."
+    label: str = Field(
+        "__label__hq",
+        description="The label whose probability is a document's `quality_score` (e.g. DCLM's "
+        "'__label__hq'); training gives it to the positive examples.",
+    )
+    negative_label: str = Field(
+        "__label__lq", description="The label training gives to the negative examples."
     )
     threshold: float = Field(
-        0.5, ge=0.0, le=1.0, description="Documents whose high-quality probability is below this are dropped."
+        0.5, ge=0.0, le=1.0, description="Documents whose probability of `label` is below this are dropped."
     )
-    word_ngrams: int = Field(2, ge=1, le=3, description="Longest word n-gram (fastText's -wordNgrams).")
-    char_ngram_min: int = Field(2, ge=1, description="Shortest character n-gram (fastText's -minn).")
-    char_ngram_max: int = Field(4, ge=1, description="Longest character n-gram (fastText's -maxn).")
-    hash_buckets: int = Field(
-        2**20, ge=1024, description="Hash buckets for each of the word and character features (fastText's -bucket)."
+    preprocess: Literal["tokens", "whitespace"] = Field(
+        "tokens",
+        description="How a document becomes the line fastText reads, in training and filtering alike: "
+        "'tokens' lower-cases and splits into words (each CJK character one) and punctuation runs; "
+        "'whitespace' only joins lines, which is what classifiers trained on raw text (DCLM's) expect.",
     )
     max_chars: int = Field(
-        20_000, ge=100, description="Only the first this many characters of a document are featurised."
+        20_000, ge=100, description="Only the first this many characters of a document are classified."
     )
-    epochs: int = Field(20, ge=1, description="Passes of stochastic gradient descent over the training set.")
-    l2: float = Field(1e-6, ge=0.0, description="L2 regularisation strength (SGDClassifier's alpha).")
+    epoch: int = Field(10, ge=1, description="Passes over the training set (fastText's -epoch).")
+    lr: float = Field(0.1, gt=0.0, le=10.0, description="Learning rate (fastText's -lr).")
+    dim: int = Field(32, ge=1, le=1024, description="Size of the text vector (fastText's -dim).")
+    word_ngrams: int = Field(2, ge=1, le=5, description="Longest word n-gram (fastText's -wordNgrams).")
+    min_count: int = Field(1, ge=1, description="Words seen fewer times are ignored (fastText's -minCount).")
+    minn: int = Field(2, ge=0, description="Shortest character n-gram of a word; 0 with maxn 0 turns them off (-minn).")
+    maxn: int = Field(4, ge=0, description="Longest character n-gram of a word (fastText's -maxn).")
+    bucket: int = Field(
+        200_000,
+        ge=1,
+        description="Hash buckets shared by word n-grams and character n-grams (fastText's -bucket); "
+        "the .bin holds bucket x dim floats (25.6 MB at the defaults).",
+    )
+    threads: int = Field(
+        1, ge=1, description="Training threads (fastText's -thread). 1 makes training repeatable with `seed`."
+    )
     heldout_fraction: float = Field(
         0.1, ge=0.0, lt=1.0, description="Share of examples held out to measure accuracy (stratified)."
     )
     max_examples_per_class: int | None = Field(
         None, ge=1, description="Cap on examples read per class (a random sample of that size); None reads all."
     )
-    seed: int = Field(0, description="Seed for sampling, the held-out split and SGD.")
+    seed: int = Field(0, description="Seed for sampling, the held-out split and fastText's training (-seed).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "QualityClassifierConfig":
+        training = bool(self.positive_files or self.negative_files)
+        if self.model and training:
+            raise ValueError(
+                "quality.classifier: set either `model` (use an existing classifier) or "
+                "`positive_files`/`negative_files` (train one), not both"
+            )
+        if self.enabled and not self.model and not (self.positive_files and self.negative_files):
+            raise ValueError(
+                "quality.classifier is enabled but has neither `model` nor both "
+                "`positive_files` and `negative_files` to train one from"
+            )
+        for name in ("label", "negative_label"):
+            value = getattr(self, name)
+            if not value or any(c.isspace() for c in value):
+                raise ValueError(f"quality.classifier.{name} must be one word, got {value!r}")
+            if training and not value.startswith("__label__"):
+                raise ValueError(f"quality.classifier.{name} must start with '__label__' to train, got {value!r}")
+        if self.label == self.negative_label:
+            raise ValueError("quality.classifier.label and negative_label must differ")
+        if self.minn > self.maxn:
+            raise ValueError(f"quality.classifier.minn ({self.minn}) is larger than maxn ({self.maxn})")
+        return self
 
 
 # ---------------------------------------------------------------- quality
@@ -336,7 +454,7 @@ class QualityConfig(BaseModel):
     c4: C4Config = Field(default_factory=C4Config, description="C4 line and page rules.")
     fineweb: FineWebQualityConfig = Field(default_factory=FineWebQualityConfig, description="FineWeb quality rules.")
     classifier: QualityClassifierConfig = Field(
-        default_factory=QualityClassifierConfig, description="Trained fastText-style quality classifier."
+        default_factory=QualityClassifierConfig, description="fastText quality classifier (given or trained)."
     )
 
 

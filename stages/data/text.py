@@ -49,6 +49,9 @@ _MARKS = _combining_mark_class()
 _RUN = rf"[^\W{_UNSPACED}]+(?:[{_MARKS}]+[^\W{_UNSPACED}]*)*"
 _WORD_RE = re.compile(rf"[{_UNSPACED}]|{_RUN}(?:['’\-]{_RUN})*", re.UNICODE)
 _UNSPACED_RE = re.compile(rf"[{_UNSPACED}]")
+_SPACE_RE = re.compile(r"\s+")
+# Words as above, or a run of punctuation/symbols ("!!!", "$$$", ">>>", "|").
+_TOKEN_RE = re.compile(rf"{_WORD_RE.pattern}|[^\w\s]+", re.UNICODE)
 
 UNSPACED_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "km", "my", "bo", "wuu", "yue"})
 
@@ -58,9 +61,17 @@ def split_words(text: str) -> list[str]:
     return _WORD_RE.findall(text)
 
 
+def split_tokens(text: str) -> list[str]:
+    """:func:`split_words` plus runs of punctuation and symbols as tokens of their own.
+
+    A classifier that judges pages (spam, navigation bars) needs "!!!" and "|" as much as the words.
+    """
+    return _TOKEN_RE.findall(text)
+
+
 def unspaced_fraction(text: str) -> float:
     """Share of non-space characters that belong to scripts written without spaces."""
-    chars = sum(1 for c in text if not c.isspace())
+    chars = len(text) - sum(map(len, _SPACE_RE.findall(text)))
     if not chars:
         return 0.0
     return len(_UNSPACED_RE.findall(text)) / chars

@@ -11,11 +11,13 @@ A data-stage folder holds a chain of immutable dataset versions::
 
 A full build reads every input file and starts a new chain. A refresh reads only
 the input files no version of the chain has read yet (a re-crawl's new WARC files
-hold only new and changed pages; unchanged ones are revisit records), deduplicates
-them against the dedup index of every earlier version, and commits a version whose
-manifest lists the earlier shards plus its own. A version is committed when its
-manifest is renamed into ``versions/<name>/``; a killed build leaves at most files
-no manifest names, and the rerun reuses the version's finished step folders.
+hold only new and changed pages; unchanged ones are revisit records), drops the
+records an earlier version already holds (a document id is never in two versions'
+shards), deduplicates the rest against the dedup index of every earlier version,
+and commits a version whose manifest lists the earlier shards plus its own. A
+version is committed when its manifest is renamed into ``versions/<name>/``; a
+killed build leaves at most files no manifest names, and the rerun reuses the
+version's finished step folders.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class VersionPlan:
     fingerprint: str  # inputs + settings of this build
     base: dict[str, Any] | None = None  # the manifest this version extends (refresh)
     previous_index: list[str] = field(default_factory=list)  # dedup indexes to deduplicate against
+    previous_shards: list[str] = field(default_factory=list)  # shards whose ids this version must not repeat
     up_to_date: dict[str, Any] | None = None  # a committed manifest that already is this build
 
 
@@ -98,8 +101,9 @@ def plan_version(out_dir: str | os.PathLike, files: Sequence[str], settings: dic
         new = [f for f in files if tuple(file_identity(f)) not in seen]
         fp = build_fingerprint("refresh", current["version"], new, settings)
         previous = [str(out / p) for p in current.get("dedup_indexes", [])] + list(extra_index)
+        shards = [str(out / s["path"]) for s in current.get("shards", [])]
         return VersionPlan(name, work, new, True, fp, base=current, previous_index=previous,
-                           up_to_date=None if new else current)
+                           previous_shards=shards, up_to_date=None if new else current)
     fp = build_fingerprint("full", None, files, settings)
     done = current if current and current.get("build_fingerprint") == fp else None
     return VersionPlan(name, work, list(files), False, fp, previous_index=list(extra_index), up_to_date=done)

@@ -31,6 +31,7 @@ from crawl2chat.stages.training.tokenizer import END_TURN_TOKEN, EOS_TOKEN
 
 QUANTIZE_CHOICES = ("none", "int8")
 SERVING_FILE = "serving.json"  # written by export: defaults for serving this folder
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit seed, as in the OpenAI API
 
 
 # ---------------------------------------------------------------- loading
@@ -104,6 +105,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
 
 
 def _cache_kwarg(model) -> str:
@@ -247,9 +250,17 @@ class Engine:
             self.model.forward = torch.compile(self.model.forward, dynamic=True)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.max_context = context_length(self.model)
-        self.lock = threading.Lock()  # tokenizers are shared across request threads
+        self.lock = threading.Lock()  # calls that reconfigure a shared tokenizer take it
+        # A fast tokenizer's Rust core encodes concurrently from many threads as
+        # long as nothing reconfigures it (truncation, padding): requests then
+        # tokenise in parallel instead of one after another.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._backend = backend if backend is not None and backend.truncation is None \
+            and backend.padding is None else None
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         with self.lock:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -259,8 +270,8 @@ class Engine:
         return [self.tokenizer.eos_token_id] + self.encode(text)
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        with self.lock:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # rendering the (compiled, cached) Jinja template reads shared state only
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 
     def check_length(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:

@@ -13,7 +13,8 @@ Accepted shapes:
   a message list; optional per-pair ``margin``), or whole transcripts in
   ``chosen``/``rejected`` as in Anthropic HH (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``),
   split into the shared conversation and the two final assistant turns.
-  Normalised to ``{"prompt": messages, "chosen": str, "rejected": str, "margin": float}``.
+  Normalised to ``{"prompt": messages, "chosen": str, "rejected": str, "margin": float | None}``
+  (``None``: the pair has no margin of its own).
 * PPO prompts: any of the above; the prompt messages are kept.
 
 Tokenisation goes through the tokenizer's own chat template: a conversation
@@ -29,6 +30,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -126,18 +128,18 @@ def preference_pair(row: dict[str, Any]) -> dict[str, Any]:
     """A row in one of the preference shapes, normalised; ValueError(reason) otherwise."""
     if "chosen" not in row or "rejected" not in row:
         raise ValueError("unknown_format")
-    margin = row.get("margin", 0.0)
-    if margin is None:
-        margin = 0.0
-    if not isinstance(margin, (int, float)):
+    # No margin (or a null in a margin column): the reward model's `margin` setting applies.
+    margin = row.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))):
         raise ValueError("bad_margin")
+    margin = None if margin is None else float(margin)
     if "prompt" in row and row["prompt"] is not None:
         prompt = row["prompt"]
         pmsgs = [{"role": "user", "content": prompt}] if _text(prompt) else _messages(prompt)
         chosen, rejected = _text(row["chosen"]), _text(row["rejected"])
         if pmsgs is None or chosen is None or rejected is None:
             raise ValueError("empty_field")
-        return {"prompt": pmsgs, "chosen": chosen, "rejected": rejected, "margin": float(margin)}
+        return {"prompt": pmsgs, "chosen": chosen, "rejected": rejected, "margin": margin}
     c, r = _text(row["chosen"]), _text(row["rejected"])
     if c is None or r is None:
         raise ValueError("empty_field")
@@ -150,7 +152,7 @@ def preference_pair(row: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("empty_field")
     if cm[-1]["content"] == rm[-1]["content"]:
         raise ValueError("identical_pair")
-    return {"prompt": cm[:-1], "chosen": cm[-1]["content"], "rejected": rm[-1]["content"], "margin": float(margin)}
+    return {"prompt": cm[:-1], "chosen": cm[-1]["content"], "rejected": rm[-1]["content"], "margin": margin}
 
 
 def prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
@@ -202,10 +204,48 @@ def load_prompts(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], C
     return _load(path, prompt_messages)
 
 
+def _key_hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
+
+
 def is_held_out(key: str, fraction: float) -> bool:
     """Stable split by content hash, independent of row order."""
-    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big")
-    return (h % 10_000) < fraction * 10_000
+    return (_key_hash(key) % 10_000) < fraction * 10_000
+
+
+# How a post-training set was split (reported in the stage's summary as ``held_out_rule``).
+SPLIT_HASH = "content_hash"  # the share of rows whose content hash falls under val_fraction
+SPLIT_HASH_TAIL = "hash_tail"  # the hash held out nothing: the distinct rows last in hash order
+SPLIT_NONE = "none"  # val_fraction 0, or a single distinct row: no held-out set, no held-out figures
+
+
+def split_held_out(keys: list[str], fraction: float) -> tuple[list[bool], str]:
+    """Which rows are held out, and by which rule; rows with one key always fall on one side.
+
+    The content hash (:func:`is_held_out`) decides. A small set whose hash holds out
+    nothing (few distinct rows) falls back to a tail, as pretraining does: the
+    ``ceil(fraction x distinct)`` distinct keys last in hash order, leaving at least one
+    for training; independent of row order like the hash. A single distinct row, or
+    ``fraction`` 0, holds out nothing (:data:`SPLIT_NONE`)."""
+    if fraction <= 0 or not keys:
+        return [False] * len(keys), SPLIT_NONE
+    held = [is_held_out(k, fraction) for k in keys]
+    if any(held) and not all(held):
+        return held, SPLIT_HASH
+    distinct = sorted(set(keys), key=_key_hash)
+    if len(distinct) < 2:
+        return [False] * len(keys), SPLIT_NONE
+    n_val = min(len(distinct) - 1, max(1, math.ceil(fraction * len(distinct))))
+    tail = set(distinct[len(distinct) - n_val:])
+    return [k in tail for k in keys], SPLIT_HASH_TAIL
+
+
+def held_out_phrase(n_val: int, rule: str) -> str:
+    """How a post-training set was split, in words for the log."""
+    if rule == SPLIT_NONE:
+        return "no held-out set (val_fraction 0, or a single distinct example): no held-out figures"
+    return f"{n_val} held out" + (" (the hash held out none: the last distinct examples in hash order)"
+                                  if rule == SPLIT_HASH_TAIL else "")
 
 
 # ---------------------------------------------------------------- tokenisation
@@ -286,7 +326,7 @@ def encode_pair(tokenizer, pair: dict[str, Any], max_len: int) -> dict[str, Any]
     """Prompt + chosen / prompt + rejected ids with response masks, at most
     ``max_len`` tokens each: a long prompt keeps its end, a long answer its start,
     and the answer keeps at least half of ``max_len``."""
-    out: dict[str, Any] = {"margin": pair.get("margin", 0.0)}
+    out: dict[str, Any] = {"margin": pair.get("margin")}
     eot = end_of_turn_id(tokenizer)
     for side in ("chosen", "rejected"):
         resp = encode_response(tokenizer, pair["prompt"], pair[side], eot)

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from crawl2chat.stages.training.chat_data import load_preferences, response_logprobs
+from crawl2chat.stages.training.chat_data import held_out_phrase, load_preferences, response_logprobs
+from crawl2chat.stages.training.models import enable_grad_checkpointing
 from crawl2chat.stages.training.reward import collate_pairs, pair_accuracy, tokenise_pairs
 from crawl2chat.stages.training.sampling import ExampleSampler
 from crawl2chat.stages.training.stage import finish, run_script, stage_parser, start_stage
@@ -96,21 +97,24 @@ def main(argv: list[str] | None = None) -> dict:
         return done
     cfg, out, acc, tokenizer, pad_id = start.cfg, start.out, start.acc, start.tokenizer, start.pad_id
     pairs, bad_rows = load_preferences(args.data)
-    train, val, skipped = tokenise_pairs(tokenizer, pairs, cfg)
+    train, val, skipped, rule = tokenise_pairs(tokenizer, pairs, cfg)
     encoded = train + val
     # The reference is the starting policy: score every pair once, before any update.
     model = AutoModelForCausalLM.from_pretrained(args.policy)
     model.config.use_cache = False
     attach_reference_logprobs(model.to(acc.device), encoded, pad_id)
+    if cfg.grad_checkpointing:
+        enable_grad_checkpointing(model)
     sampler = ExampleSampler(len(train), list(range(len(train), len(encoded))),
                              lambda ids: collate_with_ref([encoded[i] for i in ids], pad_id), cfg)
     loss_fn, implicit_rewards = make_dpo_loss(cfg)
-    acc.print(f"DPO: {len(train)} pairs, {len(val)} held out, beta {cfg.beta}; skipped {dict(bad_rows + skipped)}")
+    acc.print(f"DPO: {len(train)} pairs, {held_out_phrase(len(val), rule)}, beta {cfg.beta}; "
+              f"skipped {dict(bad_rows + skipped)}")
     trainer: Trainer | None = None
 
     def eval_extra(_loss: float) -> dict[str, float]:
         r = pair_accuracy(acc, trainer.model, sampler.eval_batches(trainer.rank, trainer.world), implicit_rewards)
-        return {"eval_reward_accuracy": r["accuracy"], "eval_reward_margin": r["margin_mean"]}
+        return {"eval_reward_accuracy": r["accuracy"], "eval_reward_margin": r["margin_mean"]} if r else {}
 
     trainer = Trainer(cfg, acc, model, out, batch_fn=sampler.batch, loss_fn=loss_fn,
                       eval_batches_fn=sampler.eval_batches if val else None, eval_extra=eval_extra)
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         start = pair_accuracy(acc, trainer.model, sampler.eval_batches(trainer.rank, trainer.world), implicit_rewards)
     summary = trainer.fit()
     summary.update(stage="dpo", policy=str(Path(args.policy).resolve()), data=str(Path(args.data).resolve()),
-                   beta=cfg.beta, pairs=len(train), held_out=len(val), skipped=dict(bad_rows + skipped))
+                   beta=cfg.beta, pairs=len(train), held_out=len(val), held_out_rule=rule,
+                   skipped=dict(bad_rows + skipped))
     if start:
         summary["eval_reward_accuracy_start"] = start["accuracy"]
     return finish(acc, trainer, Path(args.policy), out, summary)

@@ -64,12 +64,19 @@ def build_model(config, grad_checkpointing: bool = False, attn_implementation: s
 
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     if grad_checkpointing:
-        kw = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-        model.config.use_cache = False
+        enable_grad_checkpointing(model)
+    return model
+
+
+def enable_grad_checkpointing(model):
+    """Recompute each decoder layer's activations in the backward pass (any Hugging Face
+    model: a causal LM, or a sequence classifier such as the reward model); returns it."""
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+    model.config.use_cache = False
     return model
 
 

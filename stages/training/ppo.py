@@ -25,13 +25,14 @@ One PPO step (``max_steps`` of them) is:
 4. GAE advantages (``gamma``, ``lam``) and returns, advantages whitened over
    the valid answer tokens of the whole rollout (all processes);
 5. ``ppo_epochs`` passes of shuffled minibatches: clipped policy ratio,
-   clipped value loss, entropy bonus; one optimizer (the shared AdamW/Lion
+   clipped value loss, entropy bonus (``ent_coef``, 0.01); one optimizer (the shared AdamW/Lion
    and schedule builders) over actor and critic, gradients clipped.
 
 Logged per step to ``OUT/metrics.jsonl``: ``reward_mean`` (reward-model score),
 ``kl`` (per-answer sum of ``log pi - log ref``), ``kl_coef``, ``clip_fraction``,
 ``entropy``, ``value_loss``, ``policy_loss``, ``response_length``, ``eos_rate``,
-and the time spent generating, scoring and training.
+``lr``, ``grad_norm``, ``tokens_per_second`` (rollout tokens, all processes, per second
+of the step) and the time spent generating, scoring and training.
 
 Checkpoints: every ``checkpoint_every`` rollouts the actor-critic, optimizer,
 schedule, KL coefficient and RNG states are saved under ``OUT/checkpoints``;
@@ -57,6 +58,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 
 from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
+from crawl2chat.stages.training.models import enable_grad_checkpointing, is_checkpointing
 from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
 from crawl2chat.stages.training.trainer import MetricsWriter, build_optimizer, build_scheduler, latest_checkpoint, make_accelerator, peak_memory_mb, save_checkpoint
 from crawl2chat.stages.training.settings import PPOConfig
@@ -223,6 +225,10 @@ class PPORunner:
         self.prompts = prompts
         actor = AutoModelForCausalLM.from_pretrained(policy)
         critic = load_reward_model(reward, self.pad_id)
+        if cfg.grad_checkpointing:
+            # Active in training mode only: the optimisation phase, not the rollout.
+            enable_grad_checkpointing(actor)
+            enable_grad_checkpointing(critic)
         self.ref = AutoModelForCausalLM.from_pretrained(policy).to(acc.device).eval().requires_grad_(False)
         self.rm = load_reward_model(reward, self.pad_id).to(acc.device).eval().requires_grad_(False)
         ac = ActorCritic(actor, critic)
@@ -325,7 +331,7 @@ class PPORunner:
                 n_opt += 1
         res = {k: float(np.mean(v)) for k, v in stats.items()}
         res["skipped_minibatches"] = len(stats.get("skipped_minibatches", []))
-        res.setdefault("grad_norm", float("nan"))
+        # Every minibatch skipped: no gradient norm to report (left out, never NaN).
         res["optimizer_steps"] = n_opt
         return res
 
@@ -349,18 +355,24 @@ class PPORunner:
         start_step = self.state.step
         t_start = time.perf_counter()
         self.metrics.write({"type": "event", "event": "start", "step": self.state.step,
-                            "world_size": self.acc.num_processes})
+                            "world_size": self.acc.num_processes,
+                            "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model))})
         for step in range(self.state.step + 1, c.max_steps + 1):
             ro = self.rollout(step)
             t0 = time.perf_counter()
             st = self.optimise(ro, step)
             t_train = time.perf_counter() - t0
             kl = self.mean(ro["kl"])
+            step_time = ro["time_generate"] + ro["time_score"] + t_train
+            # Tokens of the rollout's sequences (prompts and answers, every process) per second of the step.
+            tokens = float(self.acc.reduce(ro["attn"].sum().float(), "sum"))
             rec = {"type": "step", "step": step, "reward_mean": self.mean(ro["scores"]), "kl": kl,
+                   "tokens_per_second": tokens / max(step_time, 1e-9),
                    "kl_coef": self.kl.value, "response_length": self.mean(ro["mask"].sum(1)),
                    "eos_rate": self.mean(ro["ended"]), "lr": self.optimizer.param_groups[0]["lr"],
                    **{k: st[k] for k in ("loss", "policy_loss", "value_loss", "entropy", "clip_fraction",
-                                         "value_clip_fraction", "approx_kl", "grad_norm", "skipped_minibatches")},
+                                         "value_clip_fraction", "approx_kl", "grad_norm", "skipped_minibatches")
+                      if k in st},
                    "time_generate": ro["time_generate"], "time_score": ro["time_score"], "time_train": t_train}
             self.kl.update(kl, c.rollout_batch_size * self.acc.num_processes)
             for k in ("time_generate", "time_score"):

@@ -189,15 +189,31 @@ class TokenWindows:
                 out[f"share.{key}.realised"] = float(counts[i] / counts.sum())
         return out
 
+    def eval_windows(self) -> int:
+        c = self.cfg
+        return min(c.eval_batches * c.micro_batch_size, (len(self.val) - 1) // c.seq_len)
+
+    def eval_tokens(self) -> int:
+        """Validation tokens the evaluation scores (the targets of its windows)."""
+        return self.eval_windows() * self.cfg.seq_len or len(self.val) - 1
+
     def eval_batches(self, rank: int, world: int):
         c = self.cfg
-        n_windows = min(c.eval_batches * c.micro_batch_size, (len(self.val) - 1) // c.seq_len)
+        n_windows = self.eval_windows()
         if n_windows == 0:  # validation shorter than one window: evaluate what there is
             yield {"tokens": torch.from_numpy(self.val.astype(np.int64))[None]}
             return
         mine = list(range(rank, n_windows, world))
         for i in range(0, len(mine), c.micro_batch_size):
             yield {"tokens": self._rows(self.val, [j * c.seq_len for j in mine[i:i + c.micro_batch_size]])}
+
+
+def unigram_bpb(train: np.ndarray, val: np.ndarray, vocab_size: int, tokens_per_byte: float) -> float:
+    """Bits per byte of ``val`` under the training split's unigram distribution
+    (add-one smoothed): the baseline a language model has to beat."""
+    counts = np.bincount(np.asarray(train, dtype=np.int64), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log2(counts / counts.sum())
+    return float(-logp[np.asarray(val, dtype=np.int64)].mean() * tokens_per_byte)
 
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -272,6 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary.update(sampling=windows.sampling, **windows.shares(trainer.state.batch_index, acc.num_processes))
         if index.get("split"):
             summary.update(split=index["split"]["name"], split_val_fraction=index["split"]["val_fraction"])
+        # The same validation tokens the model was scored on (the targets of its windows).
+        scored = windows.val[1:1 + max(1, windows.eval_tokens())]
+        summary["unigram_bpb"] = unigram_bpb(windows.train, scored, mconf.vocab_size, tokens_per_byte)
         summary.update(preset=cfg.preset, params=num_params(model), vocab_size=mconf.vocab_size,
                        tokenizer=str(tok_dir.resolve()), data=str(Path(args.data).resolve()),
                        data_index=str((data_dir / INDEX).resolve()), model_dir=str((out / "model").resolve()))

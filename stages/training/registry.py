@@ -11,6 +11,7 @@ Pure data: importing it starts no torch, Ray or Prefect.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -49,8 +50,18 @@ class TrainingStage:
 
 
 def _fmt(summary: dict, key: str, spec: str = ".3f") -> str:
+    """A summary figure for a report line; "n/a" when it is missing or not a finite number."""
     value = summary.get(key)
-    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return format(value, spec)
+    return "n/a"
+
+
+def _held_out(summary: dict, key: str) -> str:
+    """``key`` on the held-out set, or a plain statement that there was none."""
+    if key not in summary:
+        return "no held-out set" if summary.get("held_out", 0) == 0 else f"{key} n/a"
+    return f"{key} {_fmt(summary, key)}"
 
 
 STAGES: dict[str, TrainingStage] = {s.name: s for s in (
@@ -78,7 +89,7 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
                            "instruction+input+output).", "", setting="data")),
         registered_name="crawl2chat-sft",
         evaluation="chat",
-        report=lambda s: f"{s.get('steps')} steps, val_loss {_fmt(s, 'val_loss')}",
+        report=lambda s: f"{s.get('steps')} steps, {_held_out(s, 'val_loss')}",
     ),
     TrainingStage(
         name="reward",
@@ -89,7 +100,7 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
                            setting="data")),
         registered_name="crawl2chat-reward",
         evaluation=None,
-        report=lambda s: f"eval_accuracy {_fmt(s, 'eval_accuracy')}",
+        report=lambda s: _held_out(s, "eval_accuracy"),
     ),
     TrainingStage(
         name="ppo",
@@ -116,6 +127,6 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
                 StageInput("data", "Preference pairs.", "", setting="data")),
         registered_name="crawl2chat-dpo",
         evaluation="chat",
-        report=lambda s: f"eval_reward_accuracy {_fmt(s, 'eval_reward_accuracy')}",
+        report=lambda s: _held_out(s, "eval_reward_accuracy"),
     ),
 )}

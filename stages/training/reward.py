@@ -9,8 +9,9 @@ The model is ``AutoModelForSequenceClassification`` with ``num_labels=1`` on
 the base weights (a Llama base gives ``LlamaForSequenceClassification``): its
 score is read at the last non-padding token, which here is the end-of-turn
 marker closing the assistant answer. Loss per pair is
-``-logsigmoid(r_chosen - r_rejected - margin)`` (Bradley-Terry, with the
-optional per-pair margin). Training machinery is the shared
+``-logsigmoid(r_chosen - r_rejected - margin)`` (Bradley-Terry with a margin:
+the pair's own ``margin`` column where it has one, else the ``margin`` setting,
+0.1 by default). Training machinery is the shared
 :class:`~crawl2chat.stages.training.trainer.Trainer`; re-running on the same ``OUT`` resumes.
 
 Outputs: ``OUT/model`` (loads with ``AutoModelForSequenceClassification``;
@@ -29,35 +30,41 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from crawl2chat.stages.training.chat_data import encode_pair, is_held_out, load_preferences, pad
+from crawl2chat.stages.training.chat_data import encode_pair, held_out_phrase, load_preferences, pad, split_held_out
+from crawl2chat.stages.training.models import enable_grad_checkpointing
 from crawl2chat.stages.training.sampling import ExampleSampler
 from crawl2chat.stages.training.stage import finish, run_script, stage_parser, start_stage
 from crawl2chat.stages.training.trainer import Trainer
 from crawl2chat.stages.training.settings import RewardConfig
 
 def tokenise_pairs(tokenizer, pairs, cfg, key=lambda p: json.dumps(p, sort_keys=True)):
-    """Encoded pairs split into train/held-out by content hash, plus skip counts."""
-    train, val, skipped = [], [], Counter()
+    """Encoded pairs split into train/held-out
+    (:func:`~crawl2chat.stages.training.chat_data.split_held_out`), skip counts and the split rule."""
+    encoded, keys, skipped = [], [], Counter()
     for p in pairs:
         try:
-            enc = encode_pair(tokenizer, p, cfg.seq_len)
+            encoded.append(encode_pair(tokenizer, p, cfg.seq_len))
         except ValueError as e:
             skipped[str(e)] += 1
             continue
-        (val if is_held_out(key(p), cfg.val_fraction) else train).append(enc)
+        keys.append(key(p))
+    held, rule = split_held_out(keys, cfg.val_fraction)
+    train = [e for e, h in zip(encoded, held) if not h]
+    val = [e for e, h in zip(encoded, held) if h]
     if not train:
         raise ValueError(f"no preference pairs left after tokenisation (skipped {dict(skipped)})")
-    return train, val, skipped
+    return train, val, skipped, rule
 
 
-def collate_pairs(encoded: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Chosen and rejected rows right-padded to one length (chosen first, then rejected)."""
+def collate_pairs(encoded: list[dict[str, Any]], pad_id: int, margin: float = 0.0) -> dict[str, torch.Tensor]:
+    """Chosen and rejected rows right-padded to one length (chosen first, then rejected);
+    ``margin`` for the pairs that carry none of their own."""
     rows = [e["chosen"] for e in encoded] + [e["rejected"] for e in encoded]
     masks = [e["chosen_mask"] for e in encoded] + [e["rejected_mask"] for e in encoded]
     ids = pad(rows, pad_id)
     return {"input_ids": ids, "attention_mask": pad([[1] * len(r) for r in rows], 0, ids.shape[1]),
             "response_mask": pad(masks, 0, ids.shape[1]),
-            "margin": torch.tensor([float(e["margin"]) for e in encoded])}
+            "margin": torch.tensor([margin if e["margin"] is None else float(e["margin"]) for e in encoded])}
 
 
 def pair_rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +92,12 @@ def pair_accuracy(acc, model, batches, score_fn) -> dict[str, float]:
         rc, rr = score_fn(model, b)
         right += (rc > rr).sum() + 0.5 * (rc == rr).sum()  # a tie is a coin flip
         total += rc.numel()
-        margins.append((rc - rr).mean())
-    right, total = acc.reduce(right, "sum"), acc.reduce(total, "sum")
-    return {"accuracy": (right / total.clamp(min=1)).item(),
-            "margin_mean": torch.stack(margins).mean().item() if margins else float("nan")}
+        margins.append((rc - rr).sum())
+    margin_sum = torch.stack(margins).sum() if margins else torch.zeros((), device=acc.device)
+    right, total, margin_sum = acc.reduce(right, "sum"), acc.reduce(total, "sum"), acc.reduce(margin_sum, "sum")
+    if total.item() == 0:
+        return {}  # nothing held out: no figures (never NaN)
+    return {"accuracy": (right / total).item(), "margin_mean": (margin_sum / total).item()}
 
 
 def load_reward_model(path, pad_token_id: int | None = None):
@@ -111,23 +120,27 @@ def main(argv: list[str] | None = None) -> dict:
         return done
     cfg, out, acc, tokenizer, pad_id = start.cfg, start.out, start.acc, start.tokenizer, start.pad_id
     pairs, bad_rows = load_preferences(args.data)
-    train, val, skipped = tokenise_pairs(tokenizer, pairs, cfg)
+    train, val, skipped, rule = tokenise_pairs(tokenizer, pairs, cfg)
     encoded = train + val
     sampler = ExampleSampler(len(train), list(range(len(train), len(encoded))),
-                             lambda ids: collate_pairs([encoded[i] for i in ids], pad_id), cfg)
+                             lambda ids: collate_pairs([encoded[i] for i in ids], pad_id, cfg.margin), cfg)
     model = load_reward_model(args.base, pad_id)
-    acc.print(f"reward model: {len(train)} pairs, {len(val)} held out; skipped {dict(bad_rows + skipped)}")
+    if cfg.grad_checkpointing:
+        enable_grad_checkpointing(model)
+    acc.print(f"reward model: {len(train)} pairs, {held_out_phrase(len(val), rule)}, margin {cfg.margin} "
+              f"(unless a pair has its own); skipped {dict(bad_rows + skipped)}")
     trainer: Trainer | None = None
 
     def eval_extra(_loss: float) -> dict[str, float]:
         r = pair_accuracy(acc, trainer.model, sampler.eval_batches(trainer.rank, trainer.world), pair_rewards)
-        return {"eval_accuracy": r["accuracy"], "eval_margin": r["margin_mean"]}
+        return {"eval_accuracy": r["accuracy"], "eval_margin": r["margin_mean"]} if r else {}
 
     trainer = Trainer(cfg, acc, model, out, batch_fn=sampler.batch, loss_fn=pairwise_loss,
                       eval_batches_fn=sampler.eval_batches if val else None, eval_extra=eval_extra)
     summary = trainer.fit()
     summary.update(stage="reward", base=str(Path(args.base).resolve()), data=str(Path(args.data).resolve()),
-                   pairs=len(train), held_out=len(val), skipped=dict(bad_rows + skipped))
+                   pairs=len(train), held_out=len(val), held_out_rule=rule, margin=cfg.margin,
+                   skipped=dict(bad_rows + skipped))
     return finish(acc, trainer, Path(args.base), out, summary)
 
 

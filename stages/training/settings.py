@@ -1,15 +1,25 @@
-"""Settings of the training stages: the knobs every stage shares (:class:`TrainConfig`)
-and each stage's own. Pure pydantic, so validating them imports neither torch nor
-Accelerate."""
+"""Settings of the training stages: the knobs every stage shares (:class:`LoopConfig`,
+and :class:`TrainConfig` for the stages run by the shared trainer) and each stage's
+own. Pure pydantic, so validating them imports neither torch nor Accelerate.
+
+Every field takes effect in its stage or is refused: PPO, which has its own loop,
+refuses the trainer's sequence-length, evaluation, rollback and MFU fields with a
+message naming them (``tests/test_settings_used.py`` walks every field)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, model_validator
+
+# Lion's update is the sign of its momentum, so every entry has unit size: it needs a
+# learning rate 3-10x below AdamW's (Chen et al., 2023). A stage's Lion default is its
+# AdamW default times this.
+LION_LR_FACTOR = 0.2
+MIN_LR_FRACTION = 0.1  # min_lr default: this share of the peak learning rate
 
 
-# ---------------------------------------------------------------- trainer
+# ---------------------------------------------------------------- shared knobs
 
 class RollbackConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -20,35 +30,71 @@ class RollbackConfig(BaseModel):
     spike_window: int = 32  # number of recent good losses that mean is taken over
 
 
-class TrainConfig(BaseModel):
-    """Knobs common to every training stage; stages subclass it with their own."""
+class LoopConfig(BaseModel):
+    """Knobs of every training stage, PPO included: batch, optimizer, schedule,
+    precision, checkpoints, seed."""
 
     model_config = ConfigDict(extra="forbid")
 
-    seq_len: int = 256
+    # The stage's AdamW learning rate when ``lr`` is not set; subclasses set their own.
+    default_lr: ClassVar[float] = 1e-3
+
     micro_batch_size: int = 8  # sequences per process per forward pass
     grad_accum: int = 1  # micro-batches per optimizer step; global batch = micro x accum x processes
     max_steps: int = 1000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
+    lr: float | None = Field(
+        None, gt=0,
+        description="Peak learning rate. Unset: the stage's AdamW default (pretrain 1e-3, SFT 1e-4, reward 5e-5, "
+                    "DPO and PPO 1e-5), or a fifth of it with optimizer=lion (Lion needs a 3-10x smaller rate).")
+    min_lr: float | None = Field(
+        None, ge=0, description="Learning rate at the end of the decaying schedules. Unset: a tenth of lr.")
     warmup_steps: int = 100
     schedule: Literal["cosine", "linear", "polynomial", "step", "wsd", "constant"] = "cosine"
     poly_power: float = 2.0  # polynomial schedule exponent
     step_every: int = 1000  # step schedule: multiply by step_gamma every step_every steps
     step_gamma: float = 0.1
     decay_fraction: float = 0.2  # wsd: share of max_steps spent decaying
-    optimizer: Literal["adamw", "lion"] = "adamw"
+    optimizer: Literal["adamw", "lion"] = Field(
+        "adamw", description="adamw, or lion (whose default lr is a fifth of the stage's AdamW default).")
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
     clip_norm: float = 1.0  # 0 disables clipping (the norm is still measured)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    grad_checkpointing: bool = False
-    eval_every: int = 200
-    eval_batches: int = 20
+    grad_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (less memory, ~30% more compute); "
+                           "every stage's trained models.")
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     log_every: int = 1
     seed: int = 1337
+
+    # Whether lr / min_lr came from the defaults: they are then written back unset, so a
+    # settings file keeps following the optimizer (and lr) it is later combined with.
+    _lr_default: bool = PrivateAttr(False)
+    _min_lr_default: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _resolve_learning_rates(self):
+        if self.lr is None:
+            self.lr = self.default_lr * (LION_LR_FACTOR if self.optimizer == "lion" else 1.0)
+            self._lr_default = True
+        if self.min_lr is None:
+            self.min_lr = self.lr * MIN_LR_FRACTION
+            self._min_lr_default = True
+        return self
+
+    @field_serializer("lr", "min_lr")
+    def _unset_when_default(self, value: float, info) -> float | None:
+        return None if getattr(self, f"_{info.field_name}_default") else value
+
+
+class TrainConfig(LoopConfig):
+    """The knobs of the stages run by :class:`~crawl2chat.stages.training.trainer.Trainer`
+    (pretraining, SFT, reward model, DPO); stages subclass it with their own."""
+
+    seq_len: int = 256
+    eval_every: int = 200
+    eval_batches: int = 20
     peak_flops: float | None = None  # per device, for MFU; measured at start when unset
     rollback: RollbackConfig = Field(default_factory=RollbackConfig)
     # Fault injection for exercising the rollback path: the loss of these
@@ -59,6 +105,8 @@ class TrainConfig(BaseModel):
 # ---------------------------------------------------------------- pretrain
 
 class PretrainConfig(TrainConfig):
+    default_lr: ClassVar[float] = 1e-3
+
     preset: str = "cpu"
     vocab_size: int = 8192  # tokenizer trained on the data when no tokenizer is given
     tokenizer: str | None = None  # an existing tokenizer folder to reuse instead
@@ -73,67 +121,86 @@ class PretrainConfig(TrainConfig):
 # ---------------------------------------------------------------- sft
 
 class SFTConfig(TrainConfig):
+    default_lr: ClassVar[float] = 1e-4
+
     seq_len: int = 512
     micro_batch_size: int = 8
     max_steps: int = 300
-    lr: float = 1e-4
-    min_lr: float = 1e-5
     warmup_steps: int = 10
     weight_decay: float = 0.0
     eval_every: int = 100
     checkpoint_every: int = 100
     pack: bool = True  # several conversations per row; False: one per row, padded
-    val_fraction: float = 0.05  # share of conversations (by content hash) held out
+    val_fraction: float = Field(
+        0.05, ge=0, lt=1,
+        description="Share of conversations (by content hash) held out. When the hash holds out none of several "
+                    "distinct conversations, the last of them in hash order are held out; 0: no held-out set.")
 
 
 # ---------------------------------------------------------------- reward
 
 class RewardConfig(TrainConfig):
+    default_lr: ClassVar[float] = 5e-5
+
     seq_len: int = 512  # prompt + answer tokens per side; prompts are cut from the left
     micro_batch_size: int = 8  # pairs
     max_steps: int = 300
-    lr: float = 5e-5
-    min_lr: float = 5e-6
     warmup_steps: int = 10
     weight_decay: float = 0.0
     eval_every: int = 100
     checkpoint_every: int = 100
-    val_fraction: float = 0.1  # share of pairs (by content hash) held out for eval_accuracy
+    val_fraction: float = Field(
+        0.1, ge=0, lt=1,
+        description="Share of pairs (by content hash) held out for eval_accuracy; as for SFT, a split that holds "
+                    "out nothing falls back to the last distinct pairs in hash order; 0: no held-out set.")
+    margin: float = Field(
+        0.1, description="m in the pairwise loss -logsigmoid(r_chosen - r_rejected - m): how far the chosen answer "
+                         "must score above the rejected one. A pair's own `margin` column wins.")
 
 
 # ---------------------------------------------------------------- dpo
 
 class DPOConfig(TrainConfig):
+    default_lr: ClassVar[float] = 1e-5
+
     seq_len: int = 512
     micro_batch_size: int = 8  # pairs
     max_steps: int = 300
-    lr: float = 1e-5
-    min_lr: float = 1e-6
     warmup_steps: int = 10
     weight_decay: float = 0.0
     eval_every: int = 100
     checkpoint_every: int = 100
-    val_fraction: float = 0.1
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="As for the reward model.")
     beta: float = 0.1  # strength of the implicit KL constraint to the reference
     label_smoothing: float = 0.0  # assumed share of flipped labels (conservative DPO)
 
 
 # ---------------------------------------------------------------- ppo
 
-class PPOConfig(TrainConfig):
-    """Optimizer, schedule, clipping, checkpoints and seed come from :class:`TrainConfig`;
-    its ``seq_len``, evaluation and rollback fields do not apply here (lengths are
-    ``max_prompt_len`` + ``max_new_tokens``; a non-finite gradient skips its minibatch)."""
+# Trainer knobs PPO's own loop has no use for, with what it does instead.
+NOT_FOR_PPO = {
+    "seq_len": "answer lengths are max_prompt_len + max_new_tokens",
+    "eval_every": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
+    "eval_batches": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
+    "peak_flops": "PPO reports no MFU",
+    "rollback": "a non-finite gradient skips its minibatch instead of rolling back",
+    "inject_nan_at_batches": "PPO has no rollback to exercise",
+}
+
+
+class PPOConfig(LoopConfig):
+    """Optimizer, schedule, clipping, precision, checkpoints and seed come from
+    :class:`LoopConfig`. The trainer's ``seq_len``, evaluation, rollback and MFU fields
+    do not apply here and are refused by name (:data:`NOT_FOR_PPO`)."""
+
+    default_lr: ClassVar[float] = 1e-5
 
     max_steps: int = 100  # PPO steps (rollouts)
-    lr: float = 1e-5
-    min_lr: float = 1e-6
     warmup_steps: int = 0
     weight_decay: float = 0.0
     schedule: Literal["cosine", "linear", "polynomial", "step", "wsd", "constant"] = "constant"
     micro_batch_size: int = 8  # answers per forward pass in the optimisation phase
     # optimizer step = micro_batch_size x grad_accum answers (per process)
-    eval_every: int = 0  # unused by PPO (no held-out set)
     checkpoint_every: int = 20  # rollouts between checkpoints (0: none); a rerun resumes from the newest
     rollout_batch_size: int = 16  # prompts per process per rollout
     ppo_epochs: int = 4
@@ -145,10 +212,19 @@ class PPOConfig(TrainConfig):
     cliprange: float = 0.2
     cliprange_value: float = 0.2
     vf_coef: float = 0.5
-    ent_coef: float = 0.0
+    ent_coef: float = Field(0.01, description="Weight of the entropy bonus in the PPO loss (keeps sampling diverse).")
     kl_coef: float = 0.05  # initial coefficient of the per-token KL penalty
     adaptive_kl: bool = False
     kl_target: float = 6.0  # target per-answer KL of the adaptive controller
     kl_horizon: int = 10000
     missing_eos_penalty: float = -1.0  # added to the score of an answer that never ended
     save_value_model: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_trainer_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [k for k in NOT_FOR_PPO if k in data]
+            if given:
+                raise ValueError("; ".join(f"{k} does not apply to PPO ({NOT_FOR_PPO[k]})" for k in given))
+        return data

@@ -37,9 +37,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from crawl2chat.stages.training.chat_data import IGNORE_INDEX, encode_sft, is_held_out, load_sft
+from crawl2chat.stages.training.chat_data import (IGNORE_INDEX, encode_sft, held_out_phrase, load_sft,
+                                                    split_held_out)
 from crawl2chat.stages.training.sampling import ExampleSampler
 from crawl2chat.stages.training.stage import finish, run_script, stage_parser, start_stage
+from crawl2chat.stages.training.models import enable_grad_checkpointing
 from crawl2chat.stages.training.trainer import Trainer
 from crawl2chat.stages.training.settings import SFTConfig
 
@@ -86,21 +88,25 @@ def sft_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
 
 
 def build_sft_rows(tokenizer, conversations, cfg: SFTConfig) -> dict[str, Any]:
-    """Tokenise, split by content hash and pack; returns the train/val row tensors and skip counts."""
-    train, val, skipped = [], [], Counter()
+    """Tokenise, split (:func:`~crawl2chat.stages.training.chat_data.split_held_out`) and pack;
+    returns the train/val row tensors, skip counts and the split rule."""
+    encoded, keys, skipped = [], [], Counter()
     for msgs in conversations:
         try:
-            ex = encode_sft(tokenizer, msgs, cfg.seq_len)
+            encoded.append(encode_sft(tokenizer, msgs, cfg.seq_len))
         except ValueError as e:
             skipped[str(e)] += 1
             continue
-        (val if is_held_out(json.dumps(msgs, sort_keys=True), cfg.val_fraction) else train).append(ex)
+        keys.append(json.dumps(msgs, sort_keys=True))
+    held, rule = split_held_out(keys, cfg.val_fraction)
+    train = [ex for ex, h in zip(encoded, held) if not h]
+    val = [ex for ex, h in zip(encoded, held) if h]
     if not train:
         raise ValueError(f"no SFT examples left after tokenisation (skipped {dict(skipped)})")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tr = pack_examples(train, cfg.seq_len, pad_id, cfg.pack, cfg.seed)
     va = pack_examples(val, cfg.seq_len, pad_id, cfg.pack, cfg.seed) if val else None
-    return {"train": tr, "val": va, "skipped": skipped, "n_train": len(train), "n_val": len(val)}
+    return {"train": tr, "val": va, "skipped": skipped, "n_train": len(train), "n_val": len(val), "rule": rule}
 
 
 # ---------------------------------------------------------------- entry point
@@ -128,13 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
                              lambda ids: {"input_ids": all_ids[ids], "labels": all_labels[ids]}, cfg)
     model = AutoModelForCausalLM.from_pretrained(args.base)
     model.config.use_cache = False
-    acc.print(f"SFT: {data['n_train']} conversations in {n_tr} rows of {cfg.seq_len}, {data['n_val']} held out; "
-              f"skipped {dict(bad_rows + data['skipped'])}")
+    if cfg.grad_checkpointing:
+        enable_grad_checkpointing(model)
+    acc.print(f"SFT: {data['n_train']} conversations in {n_tr} rows of {cfg.seq_len}, "
+              f"{held_out_phrase(data['n_val'], data['rule'])}; skipped {dict(bad_rows + data['skipped'])}")
     trainer = Trainer(cfg, acc, model, out, batch_fn=sampler.batch, loss_fn=sft_loss,
                       eval_batches_fn=sampler.eval_batches if len(val_ids) else None)
     summary = trainer.fit()
     summary.update(stage="sft", base=str(Path(args.base).resolve()), data=str(Path(args.data).resolve()),
-                   examples=data["n_train"], held_out=data["n_val"], rows=n_tr,
+                   examples=data["n_train"], held_out=data["n_val"], held_out_rule=data["rule"], rows=n_tr,
                    skipped=dict(bad_rows + data["skipped"]),
                    label_fraction=float((tr_labels != IGNORE_INDEX).float().mean()))
     return finish(acc, trainer, Path(args.base), out, summary)

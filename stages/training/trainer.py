@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from crawl2chat.stages.training.settings import TrainConfig
+from crawl2chat.stages.training.models import is_checkpointing
+from crawl2chat.stages.training.settings import LoopConfig, TrainConfig
 
 CHECKPOINT_RE = re.compile(r"^step_(\d{8})$")
 
@@ -112,7 +113,7 @@ def peak_memory_mb(device: torch.device) -> float:
 # ---------------------------------------------------------------- optimizer and schedule
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: LoopConfig) -> torch.optim.Optimizer:
     """AdamW or Lion; weight decay on matrices, none on norms, biases and gains."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -136,7 +137,7 @@ class _StepDecay:
         return max(self.floor, self.gamma ** ((step - self.warmup) // self.every))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: LoopConfig):
     from transformers import get_scheduler
 
     kw = dict(num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.max_steps)
@@ -253,7 +254,7 @@ BatchFn = Callable[[int, int, int, int], dict[str, torch.Tensor]]
 EvalBatchesFn = Callable[[int, int], Iterable[dict[str, torch.Tensor]]]
 
 
-def make_accelerator(cfg: TrainConfig):
+def make_accelerator(cfg: LoopConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
@@ -469,7 +470,10 @@ class Trainer:
             loss_sum += loss.double() * n
             count += n
         loss_sum, count = self.acc.reduce(loss_sum, "sum"), self.acc.reduce(count, "sum")
-        val_loss = (loss_sum / count.clamp(min=1)).item()
+        if count.item() == 0:
+            # Nothing held out to score (an empty split, or eval_batches=0): no figure, not a NaN or a 0.
+            return {}
+        val_loss = (loss_sum / count).item()
         out = {"val_loss": val_loss, **(self.eval_extra(val_loss) if self.eval_extra else {})}
         self.metrics.write({"type": "eval", "step": self.state.step, **out})
         self.last_eval = out
@@ -487,7 +491,8 @@ class Trainer:
             # Step 0 checkpoint: the first rollback needs something to return to.
             self.save_checkpoint()
             self.metrics.write({"type": "event", "event": "start", "step": 0, "world_size": self.world,
-                                "tokens_per_step": self.tokens_per_step, "peak_flops": self.peak_flops})
+                                "tokens_per_step": self.tokens_per_step, "peak_flops": self.peak_flops,
+                                "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model))})
         t_start, tokens_start, step_times = time.perf_counter(), self.state.tokens_seen, []
         while self.state.step < cfg.max_steps:
             rec = self.train_step()
@@ -518,4 +523,5 @@ class Trainer:
             summary["peak_flops_per_device"] = self.peak_flops
             summary["flops_per_token"] = self.flops_per_token
         summary["peak_memory_mb"] = peak_memory_mb(self.acc.device)
-        return summary
+        # A figure that could not be measured (no step ran in this process) is left out, never NaN.
+        return {k: v for k, v in summary.items() if not (isinstance(v, float) and not math.isfinite(v))}
