@@ -180,7 +180,8 @@ def run(
         f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.",
         f"  dataset:      {data_out / 'manifest.json'}  (version {manifest['version']}, {len(manifest['shards'])} shards"
         f" in {data_out / 'shards'}; review.md, rejected/ beside it)",
-        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f})",
+        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f} on held-out split "
+        f"{base.get('split', 'none recorded')}; every evaluation reads only that split)",
         f"  SFT model:    {result['sft']['model_dir']}",
         f"  reward model: {result['reward']['model_dir']}  ({STAGES['reward'].report(result['reward'])})",
         f"  PPO policy:   {result['ppo']['model_dir']}  ({STAGES['ppo'].report(result['ppo'])})",

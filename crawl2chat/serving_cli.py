@@ -25,7 +25,9 @@ def _check_quantize(quantize: Optional[str]) -> None:
 
 def eval_command(
     model: str = typer.Option(..., "--model", "-m", help="Model folder (Hugging Face layout)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Held-out Parquet shards folder or text file."),
+    data: Optional[str] = typer.Option(None, "--data", help="Parquet shards folder or text file, read through --split."),
+    split: str = typer.Option("model", "--split", help="model: only documents held out by the split recorded "
+                              "with the model (all of --data when it records none); all: every document."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the results as JSON here."),
     mc_tasks: int = typer.Option(100, "--mc-tasks", help="Multiple-choice tasks generated from --data (0: none)."),
     max_tokens: int = typer.Option(200_000, "--max-tokens", help="Cap on scored held-out tokens."),
@@ -39,10 +41,13 @@ def eval_command(
     """Bits per byte, perplexity, multiple choice and sample generations of a model."""
     _check_model(model)
     _check_quantize(quantize)
+    if split not in ("model", "all"):
+        typer.echo(f"error: --split takes model or all, not {split!r}", err=True)
+        raise typer.Exit(2)
     from crawl2chat.stages.inference.evaluate import main
 
     argv = ["--model", model, "--mc-tasks", str(mc_tasks), "--max-tokens", str(max_tokens),
-            "--quantize", quantize or "none"]
+            "--quantize", quantize or "none", "--split", split]
     for flag, value in (("--data", data), ("--out", out), ("--reward-model", reward_model), ("--pairs", pairs),
                         ("--parent", parent), ("--prompts", prompts)):
         if value:

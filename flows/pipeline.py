@@ -68,7 +68,7 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     """SFT, reward model, PPO (and DPO when enabled) on top of a base model."""
     need_demo = not (config.sft.data and config.reward.data and config.ppo.prompts)
     demo = (demo_sets_task(shards, str(Path(config.demo_sets.out).resolve()), config.demo_sets.examples,
-                           config.demo_sets.seed) if need_demo else {})
+                           config.demo_sets.seed, base_model=base["model_dir"]) if need_demo else {})
     sft_data = config.sft.data or demo["sft"]
     pref_data = config.reward.data or demo["preference"]
     prompts = config.ppo.prompts or demo["prompts"]

@@ -112,26 +112,14 @@ def _figures(summary: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def held_out_documents(data: str, val_fraction: float = 0.1, limit: int = 200) -> list[str]:
-    """Documents of a shards folder outside the training split (the packing's id-hash
-    rule); a corpus too small to have any falls back to its last documents."""
-    from crawl2chat.stages.data.versions import iter_documents
-    from crawl2chat.stages.training.packing import is_validation
-
-    if not Path(data).is_dir():
-        text = Path(data).read_text(encoding="utf-8")
-        return [text[int(len(text) * (1 - val_fraction)):]]
-    rows = [(r["id"], r["text"]) for r in iter_documents(data, ["id", "text"])]
-    held = [t for i, t in rows if t and is_validation(str(i), val_fraction)]
-    return (held or [t for _, t in rows[-max(1, len(rows) // 10):] if t])[:limit]
-
-
 def log_evaluation(result: dict) -> dict[str, float]:
     """Evaluation figures as ``eval.*`` metrics, generations as a table, the whole as JSON."""
     flat = {f"eval.{section}.{key}": float(value)
             for section in ("lm", "mc", "policy") for key, value in (result.get(section) or {}).items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
     mlflow.log_metrics(flat)
+    if result.get("split"):  # which documents were evaluated: the model's held-out split, or "all"
+        mlflow.set_tag("crawl2chat.eval_split", result["split"])
     generations = result.get("generations") or []
     if generations:
         mlflow.log_table({"prompt": [g["prompt"] for g in generations],
@@ -140,12 +128,14 @@ def log_evaluation(result: dict) -> dict[str, float]:
     return flat
 
 
-def evaluate_causal_lm(model_dir: str, eval_data: str | None, chat: bool, val_fraction: float = 0.1) -> dict:
-    """Bits per byte, perplexity and multiple choice on held-out text, plus sample generations."""
+def evaluate_causal_lm(model_dir: str, eval_data: str | None, chat: bool) -> dict:
+    """Bits per byte, perplexity and multiple choice on the documents of ``eval_data``
+    held out by the split recorded with the model (the base model's, carried by every
+    later stage), plus sample generations; ``result["split"]`` names the split."""
     from crawl2chat.stages.inference.evaluate import evaluate_model
 
-    texts = held_out_documents(eval_data, val_fraction) if eval_data else None
-    return evaluate_model(model_dir, texts, mc_tasks=50 if texts else 0, max_tokens=50_000, chat=chat)
+    return evaluate_model(model_dir, eval_data, mc_tasks=50 if eval_data else 0, max_docs=200, max_tokens=50_000,
+                          chat=chat)
 
 
 def log_data_inputs(inputs: dict[str, str], identities: dict[str, str]) -> None:
@@ -207,6 +197,8 @@ def _record_training(stage, out, run_dir, settings, launch, inputs, identities, 
         summary = json.loads((run_dir / "metrics.json").read_text())
         mlflow.log_metrics(_figures(summary))
         mlflow.log_artifact(str(run_dir / "metrics.json"))
+        if summary.get("split"):  # the held-out split the stage made (pretraining)
+            mlflow.set_tag("crawl2chat.split", summary["split"])
         if extra_artifacts:
             extra_artifacts(summary)
         model_dir = run_dir / "model"
@@ -255,8 +247,7 @@ def _evaluation(stage: str, inputs: dict[str, str], settings: dict[str, Any],
     """The end-of-stage evaluation the registry names for ``stage``."""
     kind = STAGES[stage].evaluation
     if kind == "lm":
-        return lambda s: evaluate_causal_lm(s["model_dir"], inputs["data"], chat=False,
-                                            val_fraction=settings.get("val_fraction", 0.1))
+        return lambda s: evaluate_causal_lm(s["model_dir"], inputs["data"], chat=False)
     if kind == "chat":
         return lambda s: evaluate_causal_lm(s["model_dir"], eval_data, chat=True)
     if kind == "policy":
@@ -308,12 +299,18 @@ def training_task(stage: str):
 
 
 @task(name="demo-sets", retries=0, cache_policy=NO_CACHE)
-def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int) -> dict[str, str]:
-    """Small SFT, preference and prompt sets derived from the crawled corpus itself."""
+def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int, base_model: str | None = None) -> dict[str, str]:
+    """Small SFT, preference and prompt sets derived from the crawled corpus itself: never
+    from documents the base model's split holds out, drawn by the balance weights."""
     from crawl2chat.stages.training.chat_data import derive_demo_sets
+    from crawl2chat.stages.training.heldout import read_split
 
+    split = read_split(base_model) if base_model else None
     with stage_run("demo-sets", {"examples": examples, "seed": seed, "shards": shards_dir}):
-        paths = derive_demo_sets(shards_dir, out, n=examples, seed=seed)
+        paths = derive_demo_sets(shards_dir, out, n=examples, seed=seed, split=split)
+        summary = json.loads(Path(paths["summary"]).read_text())
+        mlflow.set_tag("crawl2chat.split", summary["split"])
+        mlflow.log_metrics({k: v for k, v in summary.items() if k.startswith("share.")})
         for path in paths.values():
             mlflow.log_artifact(path, artifact_path="demo_sets")
     print(f"[demo-sets] SFT, preference and prompt sets -> {out}", flush=True)

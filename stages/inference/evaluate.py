@@ -19,7 +19,11 @@
 * :func:`win_rate` — a policy against its SFT parent as judged by the reward
   model, with the KL(policy || parent) on the policy's own samples.
 
-``python -m crawl2chat.stages.inference.evaluate --model DIR --data SHARDS_OR_TEXT --out FILE.json``
+Held-out text is what the model never trained on: a path given as data is read
+through the split recorded with the model (:func:`held_out_texts`), and every
+result names the split it used (``result["split"]``).
+
+``python -m crawl2chat.stages.inference.evaluate --model DIR --data SHARDS_OR_TEXT [--split model|all] --out FILE.json``
 """
 
 from __future__ import annotations
@@ -328,16 +332,44 @@ def win_rate(policy_dir, parent_dir, rm_dir, prompts: Sequence[str], max_new_tok
 # ---------------------------------------------------------------- entry point
 
 
+def held_out_texts(model_dir, data: str | os.PathLike, split: str = "model",
+                   max_docs: int | None = None) -> tuple[list[str], str]:
+    """The documents of ``data`` (shards folder or text file) to evaluate ``model_dir``
+    on, and the name of the split they come from.
+
+    ``split="model"``: the held-out split recorded with the model
+    (``held_out_split.json``, written by pretraining and carried by every later
+    stage), so no document the model was trained on is read; a model without one
+    (or data the split does not apply to) is evaluated on all of ``data``, named
+    ``all``. ``split="all"``: every document of ``data``."""
+    from crawl2chat.stages.training.heldout import ALL, held_out_rows, read_split
+
+    if split not in ("model", ALL):
+        raise ValueError(f"split must be 'model' or 'all', not {split!r}")
+    recorded = read_split(model_dir) if split == "model" and isinstance(model_dir, (str, os.PathLike)) else None
+    rows, name = held_out_rows(recorded, data, max_docs=max_docs)
+    if split == "model" and name == ALL:
+        why = "records no held-out split" if recorded is None else f"was split ({recorded.name}) on other data"
+        print(f"note: {model_dir} {why}; evaluating on every document of {data}", file=sys.stderr)
+    return [r["text"] for r in rows if r.get("text")], name
+
+
 def evaluate_model(model_dir, data=None, mc_tasks: int = 100, max_docs: int | None = 2000,
                    max_tokens: int | None = 200_000, prompts: Sequence[str] | None = None, chat: bool = False,
-                   quantize: str | None = None, seed: int = 0) -> dict:
+                   quantize: str | None = None, seed: int = 0, split: str = "model") -> dict:
     """Everything that applies to a causal LM: bpb/perplexity and the
-    multiple-choice benchmark when ``data`` is given, and sample generations."""
+    multiple-choice benchmark when ``data`` is given, and sample generations.
+
+    ``data`` as a path is read through the held-out split (:func:`held_out_texts`);
+    a list of texts is evaluated as given. ``result["split"]`` names what was read."""
     engine = Engine(model_dir, quantize=quantize)
     loaded = (engine.model, engine.tokenizer)
     result: dict = {"model": str(model_dir), "quantize": engine.quantize}
     if data is not None:
-        texts = eval_texts(data, max_docs)
+        if isinstance(data, (str, os.PathLike)):
+            texts, result["split"] = held_out_texts(model_dir, data, split, max_docs)
+        else:
+            texts, result["split"] = eval_texts(data, max_docs), "given"
         result["lm"] = evaluate_lm(loaded, texts, max_tokens=max_tokens)
         if mc_tasks:
             try:
@@ -353,7 +385,10 @@ def evaluate_model(model_dir, data=None, mc_tasks: int = 100, max_docs: int | No
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="crawl2chat.stages.inference.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="model folder (Hugging Face layout)")
-    p.add_argument("--data", help="held-out Parquet shards folder or text file")
+    p.add_argument("--data", help="Parquet shards folder or text file; read through --split")
+    p.add_argument("--split", choices=["model", "all"], default="model",
+                   help="model: only the documents held out by the split recorded with the model "
+                        "(all of --data when it records none); all: every document of --data")
     p.add_argument("--out", help="write the results here as JSON")
     p.add_argument("--mc-tasks", type=int, default=100, help="multiple-choice tasks generated from --data (0: none)")
     p.add_argument("--max-docs", type=int, default=2000)
@@ -366,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompts", help="JSONL or text file of held-out prompts for --parent (one per line)")
     args = p.parse_args(argv)
     res = evaluate_model(args.model, args.data, mc_tasks=args.mc_tasks, max_docs=args.max_docs,
-                         max_tokens=args.max_tokens, chat=args.chat, quantize=args.quantize)
+                         max_tokens=args.max_tokens, chat=args.chat, quantize=args.quantize, split=args.split)
     if args.reward_model and args.pairs:
         pairs = [json.loads(line) for line in Path(args.pairs).read_text().splitlines() if line.strip()]
         res["reward"] = reward_accuracy(args.reward_model, pairs)

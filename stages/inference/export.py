@@ -116,7 +116,7 @@ def measure_speed(model, tokenizer, prompt_tokens: int = 64, new_tokens: int = 3
 
 def compare_int8(model_dir: str | os.PathLike, data=None, max_tokens: int = 50_000) -> dict:
     """fp32 and dynamic-int8 side by side: speed, and bits per byte given ``data``."""
-    from crawl2chat.stages.inference.evaluate import evaluate_lm, eval_texts
+    from crawl2chat.stages.inference.evaluate import evaluate_lm, eval_texts, held_out_texts
 
     model, tok = load_model(model_dir)
     q = quantize_int8(load_model(model_dir)[0])
@@ -126,7 +126,10 @@ def compare_int8(model_dir: str | os.PathLike, data=None, max_tokens: int = 50_0
     res["probe_kl"] = float((lp32.exp() * (lp32 - lp8)).sum(-1).mean())
     res["probe_top1_agreement"] = float((lp32.argmax(-1) == lp8.argmax(-1)).float().mean())
     if data is not None:
-        texts = eval_texts(data, max_docs=2000)
+        if isinstance(data, (str, os.PathLike)):  # the model's held-out split, as every evaluation reads
+            texts, res["split"] = held_out_texts(model_dir, data, "model", max_docs=2000)
+        else:
+            texts, res["split"] = eval_texts(data, max_docs=2000), "given"
         res["fp32"]["bpb"] = evaluate_lm((model, tok), texts, max_tokens=max_tokens)["bpb"]
         res["int8"]["bpb"] = evaluate_lm((q, tok), texts, max_tokens=max_tokens)["bpb"]
         res["bpb_change"] = res["int8"]["bpb"] - res["fp32"]["bpb"]

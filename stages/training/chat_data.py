@@ -374,8 +374,30 @@ def _corrupt(text: str, rng: random.Random) -> str:
     return " ".join([head] * 3)
 
 
+def _weighted_order(groups: list[str], sizes: list[int], weights: list[float], seed: int) -> tuple[list[int], dict]:
+    """Candidates in a weighted random order without replacement (Efraimidis-Spirakis keys
+    ``u ** (1 / w)``), where every candidate of group g weighs ``p_g / n_g``: ``p_g`` the
+    group's target share (sum of weight x size over its candidates, normalised), ``n_g``
+    its number of candidates. Any prefix of the order then holds each group at about
+    its target share, as long as the group has candidates left."""
+    import numpy as np
+
+    names = sorted(set(groups))
+    code = {g: i for i, g in enumerate(names)}
+    g_idx = np.array([code[g] for g in groups])
+    mass = np.bincount(g_idx, weights=np.asarray(weights) * np.asarray(sizes), minlength=len(names))
+    count = np.bincount(g_idx, minlength=len(names))
+    target = mass / mass.sum()
+    w = target[g_idx] / count[g_idx]
+    u = np.random.default_rng(seed).random(len(groups))
+    keys = np.log(np.maximum(u, 1e-300)) / w  # log(u ** (1/w)): larger is earlier
+    order = np.argsort(-keys, kind="stable").tolist()
+    return order, {g: float(target[code[g]]) for g in names}
+
+
 def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, n: int = 200,
-                     seed: int = 0, max_chars: int = 400) -> dict[str, str]:
+                     seed: int = 0, max_chars: int = 400, split=None, by_weight: bool = True,
+                     scan: int | None = None) -> dict[str, str]:
     """Small SFT, preference and prompt sets derived from the corpus (``text``
     column of the Parquet shards), deterministic for a given corpus and seed.
 
@@ -386,13 +408,24 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
       a shuffled-word, truncated or repeated corruption of it.
     * Prompts (for PPO): prompts of pages not used above.
 
-    Writes ``sft.jsonl``, ``preference.jsonl`` and ``prompts.jsonl`` under
-    ``out_dir`` and returns their paths."""
-    from crawl2chat.stages.data.versions import iter_documents
+    ``split`` (a :class:`~crawl2chat.stages.training.heldout.HeldOutSplit`, the
+    base model's): documents it holds out are never used, so evaluations on them
+    stay clean of every stage's training data. ``by_weight``: pages are drawn by
+    the balance weights (``sample_weight``, grouped by ``lang``), so each
+    language's share of the examples follows the balance target, among the first
+    ``scan`` usable pages (default ``20 * n``; a demo set does not read a whole
+    crawl). Without weights the draw is uniform.
+
+    Writes ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` (each row with
+    the ``source_id`` of its page) and ``demo_sets.json`` (the split used, and per
+    group ``share.<g>.target`` / ``share.<g>.realised`` of the SFT examples) under
+    ``out_dir`` and returns their paths (``summary`` for the last)."""
+    from crawl2chat.stages.training.heldout import training_rows
 
     rng = random.Random(seed)
-    examples = []
-    for row in iter_documents(shards_dir, ["text", "title"]):
+    scan = scan or 20 * n
+    examples, groups, sizes, weights = [], [], [], []
+    for row in training_rows(split, shards_dir, ["id", "text", "title", "lang", "sample_weight"]):
         text = (row.get("text") or "").strip()
         if len(text) < 80:
             continue
@@ -407,26 +440,42 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             prompt = f"Continue: {sents[0][:200]}"
             resp = " ".join(sents[1:])[:max_chars]
         if len(resp.split()) >= 5:
-            examples.append((prompt, resp))
-        if len(examples) >= 3 * n:
+            examples.append((prompt, resp, row.get("id")))
+            groups.append(str(row.get("lang") or "unknown"))
+            sizes.append(len(text.encode("utf-8")))
+            w = row.get("sample_weight")
+            weights.append(float(w) if by_weight and isinstance(w, (int, float)) and w > 0 else 1.0)
+        if len(examples) >= (scan if by_weight else 3 * n):
             break
     if not examples:
         raise NoUsableRows(f"no documents with two or more sentences under {shards_dir}")
+    order, target = _weighted_order(groups, sizes, weights, seed) if by_weight else (list(range(len(examples))), {})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sft = examples[:n]
-    pref = examples[: n]
-    prompts = examples[n: 2 * n] or examples[: n]
+    picked = [examples[i] for i in order[: 3 * n]]
+    sft = picked[:n]
+    pref = picked[: n]
+    prompts = picked[n: 2 * n] or picked[: n]
     paths = {k: out / f"{k}.jsonl" for k in ("sft", "preference", "prompts")}
     with open(paths["sft"], "w", encoding="utf-8") as f:
-        for p, r in sft:
-            f.write(json.dumps({"prompt": p, "response": r}) + "\n")
+        for p, r, i in sft:
+            f.write(json.dumps({"prompt": p, "response": r, "source_id": i}) + "\n")
     with open(paths["preference"], "w", encoding="utf-8") as f:
-        for p, r in pref:
+        for p, r, i in pref:
             bad = _corrupt(r, rng)
             if bad != r:
-                f.write(json.dumps({"prompt": p, "chosen": r, "rejected": bad}) + "\n")
+                f.write(json.dumps({"prompt": p, "chosen": r, "rejected": bad, "source_id": i}) + "\n")
     with open(paths["prompts"], "w", encoding="utf-8") as f:
-        for p, _ in prompts:
-            f.write(json.dumps({"prompt": p}) + "\n")
+        for p, _, i in prompts:
+            f.write(json.dumps({"prompt": p, "source_id": i}) + "\n")
+    chosen_groups = Counter(groups[i] for i in order[:n])
+    summary: dict[str, Any] = {"split": split.name if split is not None else "none (no base model split given)",
+                               "by_weight": by_weight, "candidates": len(examples)}
+    for g in sorted(set(groups)):
+        key = re.sub(r"[^A-Za-z0-9_\-/ ]", "_", g)
+        if target:
+            summary[f"share.{key}.target"] = target[g]
+        summary[f"share.{key}.realised"] = chosen_groups[g] / max(1, len(sft))
+    paths["summary"] = out / "demo_sets.json"
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
     return {k: str(v) for k, v in paths.items()}

@@ -113,6 +113,10 @@ class PretrainConfig(TrainConfig):
     tokenizer_max_docs: int | None = 200_000  # documents sampled to train the tokenizer
     val_fraction: float = 0.01  # share of documents (by id hash) held out for validation
     tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = "bpe"  # family of the trained (or given) tokenizer
+    # Draw training documents by the data stage's sample_weight (balance.mode=weight), so each
+    # language's (or source's) token share follows the balance target; False: uniform windows over
+    # the packed tokens (the corpus's natural mixture). Data without weights is read uniformly.
+    sample_by_weight: bool = True
 
 
 # ---------------------------------------------------------------- sft

@@ -221,9 +221,13 @@ def model_damage(model_dir: Path) -> str | None:
     return folder_damage(model_dir)
 
 
-def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
-    """Weights, config and tokenizer side by side in the Hugging Face layout, with
-    ``checksums.json`` (sizes and sha256) written last, before the folder is renamed in."""
+def save_model(model, state_dict, tok_dir: Path, model_dir: Path, split: dict[str, Any] | None = None) -> None:
+    """Weights, config and tokenizer side by side in the Hugging Face layout, with the
+    held-out split (:mod:`~crawl2chat.stages.training.heldout`): ``split`` when given
+    (pretraining), else the one recorded in ``tok_dir`` (the starting model's folder);
+    ``checksums.json`` (sizes and sha256) is written last, before the folder is renamed in."""
+    from crawl2chat.stages.training.heldout import SPLIT_FILE, write_split
+
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.use_cache = True
@@ -235,6 +239,10 @@ def save_model(model, state_dict, tok_dir: Path, model_dir: Path) -> None:
     for name in TOKENIZER_FILES:
         if (tok_dir / name).exists():
             shutil.copy2(tok_dir / name, tmp / name)
+    if split is not None:
+        write_split(split, tmp)
+    elif (tok_dir / SPLIT_FILE).exists():
+        shutil.copy2(tok_dir / SPLIT_FILE, tmp / SPLIT_FILE)
     write_checksums(tmp)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)
