@@ -190,7 +190,40 @@ def run(
         lines.append(f"  DPO policy:   {result['dpo']['model_dir']}")
     lines += [f"  MLflow:       {_mlflow_hint(cfg)}  parent run {result['run_id']}",
               f"  lineage:      crawl2chat lineage {result['ppo']['model_dir']}"]
+    lines += _figures(result) + _side_by_side(result.get("showcase") or [])
+    lines.append(f"\nTalk to it: crawl2chat chat --model {result['ppo']['model_dir']}")
     typer.echo("\n".join(lines))
+
+
+def _fmt(value, spec: str = ".3f") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "n/a"
+
+
+def _figures(result: dict) -> list[str]:
+    """The evaluation figures of the chain, one line per model."""
+    base, ppo = result["pretrain"], result["ppo"]
+    ev = base.get("eval") or {}
+    lines = ["", "Figures (held-out pages and questions no stage trained on):",
+             f"  base model   bits per byte {_fmt(ev.get('eval.lm.bpb', base.get('val_bpb')))} "
+             f"(unigram baseline {_fmt(base.get('unigram_bpb'))}); multiple choice "
+             f"{_fmt(ev.get('eval.mc.accuracy'))} (chance {_fmt(ev.get('eval.mc.chance'))})"]
+    sft_ev = result["sft"].get("eval") or {}
+    lines.append(f"  SFT model    bits per byte {_fmt(sft_ev.get('eval.lm.bpb'))}; val_loss on held-out chats "
+                 f"{_fmt(result['sft'].get('val_loss'))}")
+    lines.append(f"  reward model held-out pair accuracy {_fmt(result['reward'].get('eval_accuracy'))}")
+    pev = ppo.get("eval") or {}
+    lines.append(f"  PPO policy   reward {_fmt(ppo.get('reward_mean_first'))} -> {_fmt(ppo.get('reward_mean_last'))}; "
+                 f"win rate vs SFT {_fmt(pev.get('eval.policy.win_rate'))} (ties count half)")
+    return lines
+
+
+def _side_by_side(rows: list[dict], width: int = 100) -> list[str]:
+    """Held-out questions with each model's answer under the page's own."""
+    lines = []
+    for row in rows:
+        lines += ["", f"Q: {row['prompt']}", f"  page: {row.get('reference', '')[:width]}"]
+        lines += [f"  {name + ':':<5} {(row.get(name) or '').replace(chr(10), ' ')[:width]}" for name in ("base", "sft", "ppo")]
+    return lines
 
 
 @app.command()

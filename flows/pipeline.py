@@ -22,7 +22,7 @@ from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.stages.settings import Config, SettingsError
 from crawl2chat.stages.training.registry import STAGES, TrainingStage
 from crawl2chat.tasks.data import data_lineage
-from crawl2chat.tasks.train import demo_sets_task, training_task
+from crawl2chat.tasks.train import demo_sets_task, showcase_task, training_task
 
 
 def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str, str],
@@ -79,6 +79,9 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     policy = train(config, "ppo", {"policy": sft["model_dir"], "reward": rm["model_dir"], "prompts": prompts},
                    model_input_tags(sft=sft, reward=rm), eval_data=shards)
     result = {"sft": sft, "reward": rm, "ppo": policy}
+    if demo.get("showcase"):
+        result["showcase"] = showcase_task({"base": base["model_dir"], "sft": sft["model_dir"],
+                                            "ppo": policy["model_dir"]}, demo["showcase"])
     if config.dpo.enabled:
         result["dpo"] = train(config, "dpo", {"policy": sft["model_dir"], "data": config.dpo.data or pref_data},
                               model_input_tags(sft=sft), eval_data=shards)

@@ -315,3 +315,21 @@ def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int, base_mod
             mlflow.log_artifact(path, artifact_path="demo_sets")
     print(f"[demo-sets] SFT, preference and prompt sets -> {out}", flush=True)
     return paths
+
+
+@task(name="showcase", retries=0, cache_policy=NO_CACHE)
+def showcase_task(models: dict[str, str], questions_file: str, max_new_tokens: int = 40) -> list[dict]:
+    """The same held-out questions answered by each model (greedy), side by side,
+    with the page's own answer: what the chain taught, in a form a person reads."""
+    from crawl2chat.stages.inference.evaluate import sample_generations
+
+    rows = [json.loads(line) for line in Path(questions_file).read_text().splitlines() if line.strip()]
+    prompts = [r["prompt"] for r in rows]
+    answers = {name: [g["completion"].strip() for g in sample_generations(model_dir, prompts, chat=True,
+                                                                          max_new_tokens=max_new_tokens)]
+               for name, model_dir in models.items()}
+    table = [{"prompt": p, "reference": r.get("reference", ""), **{name: answers[name][i] for name in models}}
+             for i, (p, r) in enumerate(zip(prompts, rows))]
+    with stage_run("showcase", {"models": models, "questions": questions_file}):
+        mlflow.log_table({k: [row[k] for row in table] for k in table[0]}, "showcase.json")
+    return table

@@ -19,9 +19,10 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
     sets = [
         "data.crawl.max_pages=80",
-        "pretrain.train.max_steps=30",
-        "pretrain.train.eval_every=15",
-        "pretrain.train.checkpoint_every=15",
+        "pretrain.train.max_steps=60",
+        "pretrain.train.warmup_steps=10",
+        "pretrain.train.eval_every=30",
+        "pretrain.train.checkpoint_every=30",
         "pretrain.train.vocab_size=512",
         "demo_sets.examples=40",
         "sft.train.max_steps=10",
@@ -34,8 +35,14 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     out = proc.stdout
     for stage in ("[data] crawl", "[data] extract", "[data] dedup", "[data] write"):
         assert stage in out
-    for line in ("base model:", "SFT model:", "reward model:", "PPO policy:", "crawl2chat lineage"):
+    for line in ("base model:", "SFT model:", "reward model:", "PPO policy:", "crawl2chat lineage", "Figures",
+                 "unigram baseline", "win rate vs SFT", "Talk to it: crawl2chat chat"):
         assert line in out
+    # The closing summary shows held-out questions answered by each model, side by side.
+    assert out.count("\nQ: ") >= 1 and "  base: " in out and "  sft:  " in out and "  ppo:  " in out
+    # The embedded crawl is a documentation site: its rule profile is recorded and explained.
+    assert "rule profile 'docs'" in out
+    assert "Rule profile `docs`" in (tmp_path / "runs" / "data" / "review.md").read_text()
 
     home = tmp_path / ".crawl2chat"
     shards = list((tmp_path / "runs" / "data" / "shards").glob("v0001-shard-*.parquet"))
@@ -58,6 +65,8 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert model_dir_tag == str(model_dir.resolve())
     # Each training stage ends with its evaluation, recorded in its own run.
     assert pre.data.metrics["eval.lm.bpb"] > 0
+    # The base model beats a unigram model of its training tokens on held-out pages.
+    assert pre.data.metrics["val_bpb"] < pre.data.metrics["unigram_bpb"]
     assert "eval.policy.win_rate" in children["ppo"].data.metrics
     assert "crawl2chat.eval_error" not in children["sft"].data.tags
     history = mlflow.MlflowClient().get_metric_history(pre.info.run_id, "loss")

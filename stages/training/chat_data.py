@@ -395,17 +395,55 @@ def _weighted_order(groups: list[str], sizes: list[int], weights: list[float], s
     return order, {g: float(target[code[g]]) for g in names}
 
 
+_SIGNATURE_RE = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)\s*$")
+
+
+def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple[str, str]]:
+    """Questions a reference page answers, with its own words as the answers:
+    ``What is the X module for?`` (the docstring under "Module Reference") and
+    ``What does X.f() do?`` (the line under each ``f(args)`` signature). Pages of the
+    Python documentation server have this shape; other pages give none."""
+    module = None
+    if url:
+        tail = url.rstrip("/").rsplit("/", 1)[-1]
+        if tail.endswith(".html") and "?" not in tail:
+            module = tail[: -len(".html")]
+    if not module or module == "index":
+        return []
+    lines = [" ".join(line.split()) for line in text.splitlines()]  # pydoc spaces words with no-break spaces
+    out: list[tuple[str, str]] = []
+    if "Module Reference" in lines:
+        para = []
+        for line in lines[lines.index("Module Reference") + 1:]:
+            if not line and para:
+                break
+            if line:
+                para.append(line)
+        purpose = " ".join(para)
+        if len(purpose.split()) >= 5 and not _SIGNATURE_RE.match(para[0]):
+            out.append((f"What is the {module} module for?", purpose[:max_chars]))
+    for i, line in enumerate(lines[:-1]):
+        m = _SIGNATURE_RE.match(line)
+        nxt = lines[i + 1]
+        if (m and not m.group(1).startswith("_") and len(nxt.split()) >= 4 and not nxt.endswith(":")
+                and not _SIGNATURE_RE.match(nxt)):
+            out.append((f"What does {module}.{m.group(1)}() do?", nxt[:max_chars]))
+    return out
+
+
 def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, n: int = 200,
                      seed: int = 0, max_chars: int = 400, split=None, by_weight: bool = True,
                      scan: int | None = None) -> dict[str, str]:
     """Small SFT, preference and prompt sets derived from the corpus (``text``
     column of the Parquet shards), deterministic for a given corpus and seed.
 
-    * SFT: ``"Continue: <first sentence>"`` -> the following text, and
-      ``"Summarise the page titled ..."`` (when a ``title`` column exists) ->
-      the page's opening.
-    * Preferences: the same prompts, chosen = the real continuation, rejected =
-      a shuffled-word, truncated or repeated corruption of it.
+    * SFT: on reference pages, the questions :func:`doc_examples` finds (what a
+      module is for, what a function does) answered by the page; elsewhere
+      ``"Continue: <first sentence>"`` -> the following text, and ``"Summarise the
+      page titled ..."`` (when a ``title`` column exists) -> the page's opening.
+    * Preferences: the same prompts, chosen = the real answer, rejected = the answer
+      to another question (for reference pages) or a shuffled-word, truncated or
+      repeated corruption of it.
     * Prompts (for PPO): prompts of pages not used above.
 
     ``split`` (a :class:`~crawl2chat.stages.training.heldout.HeldOutSplit`, the
@@ -425,9 +463,20 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     rng = random.Random(seed)
     scan = scan or 20 * n
     examples, groups, sizes, weights = [], [], [], []
-    for row in training_rows(split, shards_dir, ["id", "text", "title", "lang", "sample_weight"]):
+    for row in training_rows(split, shards_dir, ["id", "url", "text", "title", "lang", "sample_weight"]):
         text = (row.get("text") or "").strip()
         if len(text) < 80:
+            continue
+        docs = doc_examples(text, row.get("url"))
+        if docs:
+            w = row.get("sample_weight")
+            for prompt, resp in rng.sample(docs, min(len(docs), 4)):  # a few per page: more pages, more variety
+                examples.append((prompt, resp, row.get("id")))
+                groups.append(str(row.get("lang") or "unknown"))
+                sizes.append(len(text.encode("utf-8")))
+                weights.append(float(w) if by_weight and isinstance(w, (int, float)) and w > 0 else 1.0)
+            if len(examples) >= (scan if by_weight else 3 * n):
+                break
             continue
         sents = [s.strip() for s in _SENT_RE.split(text.replace("\n", " ")) if s.strip()]
         if len(sents) < 2:
@@ -461,13 +510,22 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         for p, r, i in sft:
             f.write(json.dumps({"prompt": p, "response": r, "source_id": i}) + "\n")
     with open(paths["preference"], "w", encoding="utf-8") as f:
-        for p, r, i in pref:
-            bad = _corrupt(r, rng)
+        for j, (p, r, i) in enumerate(pref):
+            # A reference question's wrong answer is another question's right one.
+            other = pref[(j + 1 + rng.randrange(max(1, len(pref) - 1))) % len(pref)][1]
+            bad = other if p.startswith("What ") and other != r else _corrupt(r, rng)
             if bad != r:
                 f.write(json.dumps({"prompt": p, "chosen": r, "rejected": bad, "source_id": i}) + "\n")
     with open(paths["prompts"], "w", encoding="utf-8") as f:
         for p, _, i in prompts:
             f.write(json.dumps({"prompt": p, "source_id": i}) + "\n")
+    # Questions no stage trains on, for showing the models side by side at the end.
+    used = {e[2] for e in picked[: 2 * n]}
+    showcase = [e for e in picked[2 * n:] if e[2] not in used][:3] or picked[-3:]
+    paths["showcase"] = out / "showcase.jsonl"
+    with open(paths["showcase"], "w", encoding="utf-8") as f:
+        for p, r, i in showcase:
+            f.write(json.dumps({"prompt": p, "reference": r, "source_id": i}) + "\n")
     chosen_groups = Counter(groups[i] for i in order[:n])
     summary: dict[str, Any] = {"split": split.name if split is not None else "none (no base model split given)",
                                "by_weight": by_weight, "candidates": len(examples)}
