@@ -71,3 +71,21 @@ def test_docs_profile_changes_only_settings_left_at_their_defaults():
     assert data.quality.c4.min_sentences is None and data.quality.fineweb.enabled is False
     web, none = apply_profile(DataConfig(), embedded_site=False)
     assert web.profile == "web" and none == {} and web.quality.fineweb.enabled
+
+
+@pytest.mark.parametrize("override, field", [
+    ("pretrain.train.log_every=0", "log_every"), ("pretrain.train.rollback.spike_window=0", "spike_window"),
+    ("pretrain.train.lr=0", "lr"), ("pretrain.train.grad_accum=0", "grad_accum"),
+    ("pretrain.train.preset=huge", "preset"), ("sft.train.eval_batches=0", "eval_batches"),
+    ("ppo.train.max_steps=0", "max_steps"), ("reward.train.seq_len=1", "seq_len"),
+])
+def test_out_of_range_training_settings_are_refused_naming_the_field(override, field):
+    with pytest.raises(SettingsError, match=field):
+        load_config(overrides=dict([parse_override(override)]))
+
+
+def test_decoder_presets_are_the_models_presets():
+    from crawl2chat.stages.training.models import PRESETS
+    from crawl2chat.stages.training.settings import DECODER_PRESETS
+
+    assert tuple(PRESETS) == DECODER_PRESETS

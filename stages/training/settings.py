@@ -24,10 +24,10 @@ MIN_LR_FRACTION = 0.1  # min_lr default: this share of the peak learning rate
 class RollbackConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_rollbacks: int = 3  # the run fails after this many rollbacks
-    lr_factor: float = 0.5  # learning rate multiplier applied at each rollback
-    spike_factor: float = 4.0  # a loss above spike_factor x mean(recent losses) is a spike; 0 disables
-    spike_window: int = 32  # number of recent good losses that mean is taken over
+    max_rollbacks: int = Field(3, ge=0)  # the run fails after this many rollbacks
+    lr_factor: float = Field(0.5, gt=0, le=1)  # learning rate multiplier applied at each rollback
+    spike_factor: float = Field(4.0, ge=0)  # a loss above spike_factor x mean(recent losses) is a spike; 0 disables
+    spike_window: int = Field(32, ge=1)  # number of recent good losses that mean is taken over
 
 
 class LoopConfig(BaseModel):
@@ -73,6 +73,23 @@ class LoopConfig(BaseModel):
     _lr_default: bool = PrivateAttr(False)
     _min_lr_default: bool = PrivateAttr(False)
 
+    # Checked by name after validation, so a stage that redeclares a field's default keeps the range.
+    _AT_LEAST_ONE: ClassVar[tuple[str, ...]] = ("micro_batch_size", "grad_accum", "max_steps", "log_every",
+                                                 "keep_checkpoints", "step_every")
+    _NOT_NEGATIVE: ClassVar[tuple[str, ...]] = ("warmup_steps", "checkpoint_every", "weight_decay", "clip_norm")
+    _POSITIVE: ClassVar[tuple[str, ...]] = ("poly_power", "step_gamma", "decay_fraction")
+
+    @model_validator(mode="after")
+    def _check_ranges(self):
+        bad = [f"{f} must be at least 1 (got {getattr(self, f)})" for f in self._AT_LEAST_ONE if getattr(self, f) < 1]
+        bad += [f"{f} must not be negative (got {getattr(self, f)})" for f in self._NOT_NEGATIVE if getattr(self, f) < 0]
+        bad += [f"{f} must be positive (got {getattr(self, f)})" for f in self._POSITIVE if getattr(self, f) <= 0]
+        if self.decay_fraction > 1:
+            bad.append(f"decay_fraction must be at most 1 (got {self.decay_fraction})")
+        if bad:
+            raise ValueError("; ".join(bad))
+        return self
+
     @model_validator(mode="after")
     def _resolve_learning_rates(self):
         if self.lr is None:
@@ -101,13 +118,28 @@ class TrainConfig(LoopConfig):
     # global batch indices is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list)
 
+    _AT_LEAST_ONE: ClassVar[tuple[str, ...]] = LoopConfig._AT_LEAST_ONE + ("eval_batches",)
+    _NOT_NEGATIVE: ClassVar[tuple[str, ...]] = LoopConfig._NOT_NEGATIVE + ("eval_every",)
+
+    @model_validator(mode="after")
+    def _check_window(self):
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be at least 2 (got {self.seq_len})")
+        if self.peak_flops is not None and self.peak_flops <= 0:
+            raise ValueError(f"peak_flops must be positive (got {self.peak_flops})")
+        return self
+
 
 # ---------------------------------------------------------------- pretrain
+
+# The decoder presets of stages/training/models.py (a test keeps the two lists equal).
+DECODER_PRESETS = ("tiny", "cpu-small", "cpu", "124m", "1b")
+
 
 class PretrainConfig(TrainConfig):
     default_lr: ClassVar[float] = 1e-3
 
-    preset: str = "cpu"
+    preset: Literal[DECODER_PRESETS] = "cpu"
     vocab_size: int = 8192  # tokenizer trained on the data when no tokenizer is given
     tokenizer: str | None = None  # an existing tokenizer folder to reuse instead
     tokenizer_max_docs: int | None = 200_000  # documents sampled to train the tokenizer
