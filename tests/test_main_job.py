@@ -19,8 +19,10 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
     sets = [
         "data.crawl.max_pages=80",
-        "pretrain.train.max_steps=60",
+        "pretrain.train.max_steps=80",
         "pretrain.train.warmup_steps=10",
+        "pretrain.train.lr=3e-3",
+        "pretrain.train.seq_len=128",
         "pretrain.train.eval_every=30",
         "pretrain.train.checkpoint_every=30",
         "pretrain.train.vocab_size=512",
