@@ -65,8 +65,6 @@ import aiohttp
 from aiohttp.abc import AbstractResolver
 from aiohttp.resolver import DefaultResolver
 from protego import Protego
-from resiliparse.parse.encoding import detect_encoding
-from resiliparse.parse.html import HTMLTree
 from warcio.statusandheaders import StatusAndHeaders
 from warcio.timeutils import datetime_to_iso_date
 from warcio.warcwriter import WARCWriter
@@ -155,22 +153,28 @@ def extract_links(body: bytes, page_url: str, charset: str | None = None) -> lis
     """Normalised outlinks of an HTML page (``<a href>``, honouring ``<base href>``).
 
     Returns no links when the page says ``<meta name="robots" content="nofollow">``.
+    Parsed with lxml: resiliparse's DOM selectors take seconds on a page with
+    thousands of links (the documentation server's index), lxml's XPath milliseconds.
     """
-    tree = HTMLTree.parse_from_bytes(body, charset or detect_encoding(body))
-    root = tree.document
-    if root is None:
+    import lxml.etree
+    import lxml.html
+
+    try:
+        parser = lxml.html.HTMLParser(encoding=charset) if charset else None
+        doc = lxml.html.document_fromstring(body, parser=parser)
+    except (lxml.etree.ParserError, ValueError, LookupError):
         return []
-    for meta in root.query_selector_all('meta[name="robots" i]'):
-        if "nofollow" in (meta.getattr("content") or "").lower():
-            return []
+    robots = doc.xpath('//meta[translate(@name, "ROBTS", "robts")="robots"]/@content')
+    if any("nofollow" in (content or "").lower() for content in robots):
+        return []
     base = page_url
-    base_el = root.query_selector("base[href]")
-    if base_el is not None:
-        base = normalize_url(base_el.getattr("href") or "", page_url) or page_url
+    base_hrefs = doc.xpath("//base/@href")
+    if base_hrefs:
+        base = normalize_url(base_hrefs[0] or "", page_url) or page_url
     links: list[str] = []
     seen: set[str] = set()
-    for anchor in root.query_selector_all("a[href]"):
-        url = normalize_url(anchor.getattr("href") or "", base)
+    for href in doc.xpath("//a/@href"):
+        url = normalize_url(href or "", base)
         if url and url not in seen:
             seen.add(url)
             links.append(url)
