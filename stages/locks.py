@@ -73,6 +73,25 @@ def read_holder(folder: str | os.PathLike) -> tuple[int | None, str]:
     return (int(first) if first.strip().isdigit() else None), rest.strip()
 
 
+EXITING_GRACE = 15.0  # seconds a dying holder gets to release its lock
+
+
+def _holder_exiting(pid: int | None) -> bool:
+    """The holder is a zombie, gone, or an orphan re-parented to init: its
+    parent died, so its parent-death signal has been sent."""
+    if pid is None:
+        return False
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return True
+        return proc.ppid() in (0, 1)
+    except psutil.Error:
+        return True
+
+
 def _ancestor_holds(pid: int | None) -> bool:
     if pid is None:
         return False
@@ -108,7 +127,7 @@ def acquire(folder: str | os.PathLike, wait: float | None = None) -> Path:
     wait = wait_seconds() if wait is None else wait
     path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a+", encoding="utf-8")
-    deadline = time.monotonic() + wait
+    deadline, extended = time.monotonic() + wait, False
     while True:
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -121,6 +140,11 @@ def acquire(folder: str | os.PathLike, wait: float | None = None) -> Path:
                 with _guard:
                     _held[key] = [None, 1]
                 return path
+            if time.monotonic() >= deadline and not extended and _holder_exiting(pid):
+                # A rank whose launcher was just killed holds the lock until the
+                # kernel has finished tearing it down (its parent-death signal
+                # is already on its way): a rerun started at once waits for that.
+                deadline, extended = time.monotonic() + EXITING_GRACE, True
             if time.monotonic() >= deadline:
                 f.close()
                 if pid is None:  # the holder is between taking the lock and labelling it

@@ -125,6 +125,16 @@ def test_sample_generations_fixed_and_deterministic(models):
     assert len(chat) == len(ev.DEFAULT_CHAT_PROMPTS)
 
 
+def test_prompt_longer_than_the_context_keeps_its_end(models):
+    """A question longer than the model's context (128 tokens here) is answered
+    from its last tokens, leaving room for the answer, instead of failing."""
+    long_prompt = " ".join(cycle_docs(12, seed=3)) + " amber birch"
+    rows = ev.sample_generations(models["trained"], [long_prompt, "amber birch"], max_new_tokens=40)
+    assert rows[0]["prompt_truncated"] and not rows[1]["prompt_truncated"]
+    assert 1 <= rows[0]["tokens"] <= 40
+    assert rows[0]["completion"].split()[:2] == ["cedar", "dune"]  # the end of the prompt was kept
+
+
 def _tiny_reward_model(models, out: Path) -> Path:
     """A reward model trained for a few steps to prefer responses with 'good'."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

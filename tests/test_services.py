@@ -204,8 +204,8 @@ def test_training_flow_on_real_services(services, tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The summary the command prints is the source of truth for where things went.
-    model_dir = re.search(r"^base model: (.+)$", proc.stdout, re.M)
-    model_uri = re.search(r"^\s*MLflow: (models:/crawl2chat-base/\d+)\s*$", proc.stdout, re.M)
+    model_dir = re.search(r"^pretrain model: (.+)$", proc.stdout, re.M)
+    model_uri = re.search(r"^\s*MLflow: (models:/crawl2chat-base/\d+) \(run \w+\)$", proc.stdout, re.M)
     assert model_dir and model_uri, proc.stdout[-3000:]
     assert (Path(model_dir.group(1).strip()) / "config.json").exists()
     assert re.search(r", 20 steps$", proc.stdout, re.M), proc.stdout[-3000:]

@@ -240,10 +240,17 @@ def sample_generations(model_dir, prompts: Sequence[str] | None = None, chat: bo
     rows = []
     for p in prompts:
         ids = engine.chat_prompt_ids([{"role": "user", "content": p}]) if chat else engine.prompt_ids(p)
-        n = max(1, min(max_new_tokens, engine.max_context - len(ids)))
+        # A prompt longer than the context keeps its last tokens (the question and
+        # the assistant header) and leaves room for at least a quarter of the
+        # context of answer.
+        n = max(1, min(max_new_tokens, max(engine.max_context - len(ids), engine.max_context // 4)))
+        truncated = len(ids) + n > engine.max_context
+        if truncated:
+            ids = ids[len(ids) + n - engine.max_context:]
         ts = engine.stream(ids, SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed))
         "".join(ts.deltas())
-        rows.append({"prompt": p, "completion": ts.text, "tokens": ts.completion_tokens})
+        rows.append({"prompt": p, "completion": ts.text, "tokens": ts.completion_tokens,
+                     "prompt_truncated": truncated})
     return rows
 
 

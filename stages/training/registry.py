@@ -74,7 +74,7 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         registered_name="crawl2chat-base",
         evaluation="lm",
         report=lambda s: f"val_loss {_fmt(s, 'val_loss')}  val_bpb {_fmt(s, 'val_bpb')}  "
-                         f"{_fmt(s, 'tokens_per_second', '.0f')} tokens/s",
+                         f"{_fmt(s, 'tokens_per_second', '.0f')} tokens/s, {s.get('steps')} steps",
         prepare_on_host=True,
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, 124m, 1b."),),

@@ -102,3 +102,44 @@ def _same(pid: int, create_time: float) -> bool:
         return p.create_time() == create_time and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+ORPHAN_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    if os.fork():
+        os._exit(0)  # the holder's parent dies at once: it is re-parented to init
+    from crawl2chat.stages.locks import acquire
+    acquire(sys.argv[1])
+    time.sleep(float(sys.argv[2]))  # the time the kernel takes to tear a dying rank down
+""")
+
+
+def test_a_rerun_waits_for_a_dying_holder_not_for_a_live_one(tmp_path):
+    """A rank orphaned by its killed launcher still holds the run folder for a
+    moment: a rerun started at once waits for it instead of failing; a holder
+    whose parent is alive is reported at once."""
+    from crawl2chat.stages.locks import FolderBusy, acquire, read_holder, release
+
+    folder = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", ORPHAN_HOLDER, str(folder), "3"], check=True)
+    deadline = time.monotonic() + 30
+    while read_holder(folder)[0] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphan = read_holder(folder)[0]
+    assert orphan is not None
+    t0 = time.monotonic()
+    release(acquire(folder, wait=0))
+    assert time.monotonic() - t0 < 15
+
+    live = subprocess.Popen([sys.executable, "-c", "import sys, time; from crawl2chat.stages.locks import acquire; "
+                             "acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(folder)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with pytest.raises(FolderBusy, match=f"process {live.pid}"):
+            acquire(folder, wait=0)
+        assert time.monotonic() - t0 < 2
+    finally:
+        live.kill()
+        live.wait()
