@@ -146,6 +146,8 @@ def chat_command(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Largest reply, in tokens."),
     temperature: float = typer.Option(0.8, "--temperature"),
     top_p: float = typer.Option(0.95, "--top-p"),
+    repetition_penalty: float = typer.Option(1.2, "--repetition-penalty",
+                                             help="Divide the scores of tokens already said by this (1 = off)."),
 ) -> None:
     """Terminal chat on the serving code path (chat template, KV-cache streaming). /reset, /exit."""
     _check_model(model)
@@ -153,7 +155,8 @@ def chat_command(
     from crawl2chat.stages.inference.generation import Engine, SamplingParams
 
     engine = Engine(model, quantize=quantize)
-    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            repetition_penalty=repetition_penalty)
     try:
         params.validate()
     except ValueError as e:

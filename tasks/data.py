@@ -72,7 +72,10 @@ def log_step(result: StepResult, params: dict | None = None) -> None:
 def _print_step(result: StepResult) -> None:
     drops = sum(result.dropped.values())
     state = "skipped (already done)" if result.skipped else f"{result.seconds:.1f}s"
-    print(f"[data] {result.name:<8} {result.rows_in:>7} in  {result.kept:>7} kept  {drops:>6} dropped  {state}", flush=True)
+    template = sum(f.get("template_lines", 0) for f in result.extra.get("files", []))
+    extra = f"  ({template} site template lines removed)" if template else ""
+    print(f"[data] {result.name:<8} {result.rows_in:>7} in  {result.kept:>7} kept  {drops:>6} dropped  {state}{extra}",
+          flush=True)
 
 
 CRAWL_MARKER = "_SUCCESS.json"  # in OUT/crawl: the settings of the last finished crawl

@@ -318,15 +318,17 @@ def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int, base_mod
 
 
 @task(name="showcase", retries=0, cache_policy=NO_CACHE)
-def showcase_task(models: dict[str, str], questions_file: str, max_new_tokens: int = 40) -> list[dict]:
-    """The same held-out questions answered by each model (greedy), side by side,
-    with the page's own answer: what the chain taught, in a form a person reads."""
+def showcase_task(models: dict[str, str], questions_file: str, max_new_tokens: int = 40,
+                  repetition_penalty: float = 1.2) -> list[dict]:
+    """The same held-out questions answered by each model (greedy, with the
+    repetition penalty ``crawl2chat chat`` uses), side by side, with the page's
+    own answer: what the chain taught, in a form a person reads."""
     from crawl2chat.stages.inference.evaluate import sample_generations
 
     rows = [json.loads(line) for line in Path(questions_file).read_text().splitlines() if line.strip()]
     prompts = [r["prompt"] for r in rows]
-    answers = {name: [g["completion"].strip() for g in sample_generations(model_dir, prompts, chat=True,
-                                                                          max_new_tokens=max_new_tokens)]
+    answers = {name: [g["completion"].strip() for g in sample_generations(
+        model_dir, prompts, chat=True, max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty)]
                for name, model_dir in models.items()}
     table = [{"prompt": p, "reference": r.get("reference", ""), **{name: answers[name][i] for name in models}}
              for i, (p, r) in enumerate(zip(prompts, rows))]

@@ -97,3 +97,50 @@ def test_demo_sets_from_corpus_are_deterministic(tmp_path):
                for p in pairs)
     ppo_prompts, _ = load_prompts(a["prompts"])
     assert len(ppo_prompts) == 15 and {m[0]["content"] for m in ppo_prompts}.isdisjoint(prompts)
+
+
+def _reference_page(module: str, purpose: str, functions: dict[str, str], template: bool) -> str:
+    """A documentation server page as extracted: heading, source path, purpose, signatures."""
+    head = ["Python 3.11.7 [main]", "Module Index : Topics : Keywords"] if template else []
+    lines = head + ["\xa0", f"{module}\xa0(version 1.0)\t\tindex", f"/usr/lib/python3.11/{module}.py"]
+    lines += ["Module Reference"] if template else []
+    lines += ["", purpose.replace(" ", "\xa0"), "\xa0"]
+    for name, doc in functions.items():
+        lines += [f"{name}(value, /)", doc.replace(" ", "\xa0")]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_reference_questions_with_or_without_the_site_template(template):
+    from crawl2chat.stages.training.chat_data import doc_examples
+
+    text = _reference_page("heapq", "Heap queue algorithm (a.k.a. priority queue).",
+                           {"heappush": "Push item onto heap, maintaining the heap invariant.",
+                            "_private": "Not part of the documented interface at all."}, template)
+    assert doc_examples(text, "http://127.0.0.1:8000/heapq.html") == [
+        ("What is the heapq module for?", "Heap queue algorithm (a.k.a. priority queue)."),
+        ("What does heapq.heappush() do?", "Push item onto heap, maintaining the heap invariant."),
+    ]
+    assert doc_examples(text, "http://127.0.0.1:8000/index.html") == []
+
+
+def test_showcase_asks_reference_questions_about_pages_no_set_used(tmp_path):
+    shards = tmp_path / "corpus" / "shards"
+    shards.mkdir(parents=True)
+    modules = [f"mod{i}" for i in range(30)]
+    texts = [_reference_page(m, f"Tools number {i} for working with rivers and mills.",
+                             {f"f{j}": f"Return the flow of river {i} at mill {j}." for j in range(3)}, False)
+             for i, m in enumerate(modules)]
+    texts += [f"Page {i} talks about rivers. The river {i} flows north past the old mill. Fish swim in it."
+              for i in range(30)]
+    urls = [f"http://127.0.0.1:8000/{m}.html" for m in modules] + [f"http://site.example/p{i}" for i in range(30)]
+    ids = [f"doc-{i}" for i in range(60)]
+    pq.write_table(pa.table({"id": ids, "url": urls, "text": texts, "drop_reason": [None] * 60}),
+                   shards / "part-0.parquet")
+    paths = derive_demo_sets(tmp_path / "corpus", tmp_path / "sets", n=10, by_weight=False)
+    rows = [json.loads(line) for line in Path(paths["showcase"]).read_text().splitlines()]
+    used = {json.loads(line)["source_id"] for k in ("sft", "preference", "prompts")
+            for line in Path(paths[k]).read_text().splitlines()}
+    assert len(rows) == 3 and len({r["source_id"] for r in rows}) == 3
+    assert all(r["prompt"].endswith("module for?") and r["source_id"] not in used for r in rows)
+    assert all(r["reference"].startswith("Tools number") for r in rows)

@@ -179,3 +179,18 @@ def test_command_line_writes_json(models, tmp_path):
     res = json.loads(out.read_text())
     assert res["lm"]["bpb"] > 0 and res["mc"]["n"] == 8
     assert [g["prompt"] for g in res["generations"]] == ev.DEFAULT_PROMPTS
+
+
+def test_repetition_penalty_breaks_a_greedy_loop(models):
+    """Greedy decoding of the cycle model repeats the 8-word cycle; a penalty on
+    tokens already said makes it leave the cycle, and out-of-range values are refused."""
+    from crawl2chat.stages.inference.generation import SamplingParams
+
+    plain = ev.sample_generations(models["trained"], ["amber birch"], max_new_tokens=40)[0]["completion"].split()
+    penalised = ev.sample_generations(models["trained"], ["amber birch"], max_new_tokens=40,
+                                      repetition_penalty=2.0)[0]["completion"].split()
+    assert plain[:2] == ["cedar", "dune"] and len(plain) > 10 and len(set(plain)) <= len(CYCLE)
+    repeats = lambda words: sum(a == b for a, b in zip(words, words[len(CYCLE):]))  # noqa: E731
+    assert repeats(penalised) < repeats(plain)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0.5).validate()

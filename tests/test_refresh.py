@@ -134,7 +134,10 @@ def test_refresh_adds_only_new_and_changed_pages_as_a_new_version(prefect_api, r
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
     writes = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                 filter_string="tags.mlflow.runName = 'write'")
-    inputs = {d.dataset.name: d.dataset.digest for r in writes for d in r.inputs.dataset_inputs}
+    inputs = {d.dataset.name: d.dataset.digest for r in writes
+              for d in client.get_run(r.info.run_id).inputs.dataset_inputs}
+    assert {"data@v0001", "data@v0002"} <= set(inputs), (inputs, [(r.info.run_id, r.data.tags.get(
+        "crawl2chat.data_version"), r.info.status) for r in writes])
     assert inputs["data@v0001"] == first["content_digest"][7:23]
     assert inputs["data@v0002"] == second["content_digest"][7:23]
 

@@ -186,18 +186,31 @@ def _write(ds: ray.data.Dataset, out_dir: str) -> None:
 
 
 def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int) -> Iterator[pa.Table]:
+    from crawl2chat.stages.data.templates import strip_template_lines
     from crawl2chat.stages.data.warc_input import WarcReader
+
+    def finish(docs: list[dict]) -> int:
+        """Site template lines out of a window of documents (see stages.data.templates)."""
+        if extract_cfg.template_min_share is None:
+            return 0
+        removed = strip_template_lines(docs, extract_cfg.template_min_pages, extract_cfg.template_min_share)
+        for doc in docs:
+            if doc.get("template_lines") and len(doc["text"].strip()) < max(extract_cfg.min_text_chars, 1):
+                doc["drop_reason"] = "extract:template_only"
+        return removed
 
     for path in batch["path"]:
         reader = WarcReader(extract_cfg)
         docs: list[dict] = []
-        records = 0
+        records = template = 0
         for doc in reader.run(str(path)):
             records += 1
             docs.append(doc)
             if len(docs) >= rows_per_table:
+                template += finish(docs)
                 yield to_table(docs, EXTRACT_COLUMNS)
                 docs = []
+        template += finish(docs)
         errors = "; ".join(str(e.get("error")) for e in reader.file_errors)
         docs.append(
             {
@@ -209,6 +222,7 @@ def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int)
                 "drop_reason": "file:error" if errors else "file:ok",
                 "file_error": errors or None,
                 "records_read": records,
+                "template_lines": template,
             }
         )
         yield to_table(docs, EXTRACT_COLUMNS)
@@ -241,10 +255,12 @@ def file_statuses(step_dir: str) -> list[dict[str, Any]]:
     files = sorted(Path(step_dir).glob("*.parquet"))
     if not files:
         return []
-    table = pq.read_table(files, columns=["url", "record_type", "drop_reason", "file_error", "records_read"])
+    table = pq.read_table(files, columns=["url", "record_type", "drop_reason", "file_error", "records_read",
+                                          "template_lines"])
     table = table.filter(pc.equal(table["record_type"], FILE_STATUS))
     rows = [
-        {"path": r["url"], "ok": r["drop_reason"] == "file:ok", "error": r["file_error"], "records": r["records_read"]}
+        {"path": r["url"], "ok": r["drop_reason"] == "file:ok", "error": r["file_error"], "records": r["records_read"],
+         "template_lines": r["template_lines"] or 0}
         for r in table.to_pylist()
     ]
     return sorted(rows, key=lambda r: r["path"])

@@ -30,6 +30,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "drop_reason": pa.string(),
     "file_error": pa.string(),
     "records_read": pa.int64(),
+    "template_lines": pa.int32(),
     "lang": pa.string(),
     "lang_score": pa.float64(),
     "quality_score": pa.float64(),
@@ -39,6 +40,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
 EXTRACT_COLUMNS = (
     "id", "url", "source", "host", "content_type", "charset", "record_type",
     "fetched_at", "text", "drop_reason", "file_error", "records_read",
+    "template_lines",
 )
 LANGID_COLUMNS = EXTRACT_COLUMNS + ("lang", "lang_score")
 QUALITY_COLUMNS = LANGID_COLUMNS + ("quality_score",)

@@ -156,6 +156,20 @@ class ExtractConfig(BaseModel):
         description="MIME types kept as plain text without extraction. Everything that is neither "
         "HTML nor listed here (images, PDF, JSON, ...) is dropped as 'extract:unsupported_content_type'.",
     )
+    template_min_share: float | None = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="A line found on at least this share of one host's pages within an input file "
+        "(a window of up to 512 records) is the site's template (banner, navigation, footer) and is "
+        "removed from each of them; a page left with no text is dropped as 'extract:template_only'. "
+        "null keeps every line.",
+    )
+    template_min_pages: int = Field(
+        5,
+        ge=2,
+        description="Pages of one host needed in the window before its template lines are judged.",
+    )
     min_text_chars: int = Field(
         1,
         ge=0,

@@ -232,7 +232,7 @@ def multiple_choice_accuracy(model_dir, tasks: Sequence[dict], quantize: str | N
 
 def sample_generations(model_dir, prompts: Sequence[str] | None = None, chat: bool = False,
                        max_new_tokens: int = 48, temperature: float = 0.0, seed: int = 0,
-                       quantize: str | None = None) -> list[dict]:
+                       quantize: str | None = None, repetition_penalty: float = 1.0) -> list[dict]:
     """Completions of a fixed prompt set: ``[{"prompt", "completion", "tokens"}]``.
     ``chat`` wraps each prompt as a user turn with the chat template."""
     engine = model_dir if isinstance(model_dir, Engine) else Engine(model_dir, quantize=quantize)
@@ -247,7 +247,8 @@ def sample_generations(model_dir, prompts: Sequence[str] | None = None, chat: bo
         truncated = len(ids) + n > engine.max_context
         if truncated:
             ids = ids[len(ids) + n - engine.max_context:]
-        ts = engine.stream(ids, SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed))
+        ts = engine.stream(ids, SamplingParams(max_new_tokens=n, temperature=temperature, seed=seed,
+                                               repetition_penalty=repetition_penalty))
         "".join(ts.deltas())
         rows.append({"prompt": p, "completion": ts.text, "tokens": ts.completion_tokens,
                      "prompt_truncated": truncated})

@@ -95,6 +95,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     stop: Sequence[str] = ()
     seed: int | None = None
+    # Scores of tokens already in the prompt or the answer are divided by this
+    # (multiplied when negative), as in Hugging Face generate: small models
+    # decoded greedily otherwise loop on one phrase. 1.0 = off.
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -105,6 +109,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 1.0 <= self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in [1, 2]")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
 
@@ -159,9 +165,17 @@ def stream_tokens(model, prompt_ids: Sequence[int], params: SamplingParams,
     if params.seed is not None:
         gen = torch.Generator(device="cpu").manual_seed(params.seed)
     warpers = _warpers(params)
+    penalty = None
+    if params.repetition_penalty != 1.0:
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        penalty = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+    seen = ids
     logits, cache = forward_with_cache(model, ids)
     for _ in range(params.max_new_tokens):
         scores = logits[:, -1, :].float()
+        if penalty is not None:
+            scores = penalty(seen, scores)
         if params.temperature == 0:
             nxt = int(scores.argmax(-1))
         else:
@@ -172,6 +186,8 @@ def stream_tokens(model, prompt_ids: Sequence[int], params: SamplingParams,
             return
         yield nxt
         step = torch.tensor([[nxt]], dtype=torch.long, device=device)
+        if penalty is not None:
+            seen = torch.cat([seen, step], dim=1)
         logits, cache = forward_with_cache(model, step, cache)
 
 

@@ -4,7 +4,7 @@ Endpoints:
 
 * ``GET /health`` — model, quantisation, context length, active and waiting requests.
 * ``POST /generate`` — raw text completion: ``{"prompt", "max_tokens", "temperature",
-  "top_p", "top_k", "stop", "seed", "stream"}``. Streams by default as server-sent
+  "top_p", "top_k", "stop", "seed", "repetition_penalty", "stream"}``. Streams by default as server-sent
   events, ``data: {"text": ...}`` per piece and a last ``data: {"done": true,
   "finish_reason", "usage"}``; with ``"stream": false`` one JSON object.
 * ``GET /v1/models`` and ``POST /v1/chat/completions`` — the OpenAI chat API
@@ -154,6 +154,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, ge=0)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    repetition_penalty: float = Field(1.0, ge=1.0, le=2.0)
 
     @field_validator("stop")
     @classmethod
@@ -530,7 +531,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
             raise APIError(400, f"max_tokens {n} exceeds this server's limit of {settings.max_tokens_limit}",
                            "max_tokens")
         params = SamplingParams(max_new_tokens=n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                stop=tuple(req.stop or ()), seed=req.seed)
+                                stop=tuple(req.stop or ()), seed=req.seed,
+                                repetition_penalty=req.repetition_penalty)
         try:
             params.validate()
         except ValueError as e:

@@ -412,15 +412,23 @@ def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple
         return []
     lines = [" ".join(line.split()) for line in text.splitlines()]  # pydoc spaces words with no-break spaces
     out: list[tuple[str, str]] = []
-    if "Module Reference" in lines:
-        para = []
-        for line in lines[lines.index("Module Reference") + 1:]:
-            if not line and para:
-                break
-            if line:
-                para.append(line)
+    # The page's heading: "json (version 2.0.9) index", then the source path or
+    # "(built-in)", then (when the site template was kept) "Module Reference".
+    head = next((i for i, line in enumerate(lines[:12]) if line.split()[:1] == [module] and line.endswith("index")),
+                None)
+    if head is not None:
+        rest = iter(lines[head + 1:])
+        para: list[str] = []
+        for line in rest:
+            if not line:
+                if para:
+                    break
+                continue
+            if not para and (line.startswith(("/", "(built-in)")) or line.endswith(".py") or line == "Module Reference"):
+                continue
+            para.append(line)
         purpose = " ".join(para)
-        if len(purpose.split()) >= 5 and not _SIGNATURE_RE.match(para[0]):
+        if para and len(purpose.split()) >= 3 and not _SIGNATURE_RE.match(para[0]) and not purpose.endswith(":"):
             out.append((f"What is the {module} module for?", purpose[:max_chars]))
     for i, line in enumerate(lines[:-1]):
         m = _SIGNATURE_RE.match(line)
@@ -521,7 +529,18 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             f.write(json.dumps({"prompt": p, "source_id": i}) + "\n")
     # Questions no stage trains on, for showing the models side by side at the end.
     used = {e[2] for e in picked[: 2 * n]}
-    showcase = [e for e in picked[2 * n:] if e[2] not in used][:3] or picked[-3:]
+    # Reference questions first (what a module is for, then what a function does):
+    # their answers are on pages the model read, so they show what it learnt.
+    def kind(prompt: str) -> int:
+        return 0 if prompt.endswith("module for?") else 1 if prompt.startswith("What does ") else 2
+
+    unused = [examples[i] for i in order if examples[i][2] not in used]
+    showcase, pages = [], set()
+    for e in sorted(unused, key=lambda e: kind(e[0])):  # stable: keeps the draw order within a kind
+        if e[2] not in pages and len(showcase) < 3:
+            showcase.append(e)
+            pages.add(e[2])
+    showcase = showcase or picked[-3:]
     paths["showcase"] = out / "showcase.jsonl"
     with open(paths["showcase"], "w", encoding="utf-8") as f:
         for p, r, i in showcase:

@@ -294,11 +294,14 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
     wanted = ["id", "text", "drop_reason", group_column, "sample_weight" if use_weights else None]
     columns = [c for c in dict.fromkeys(wanted) if c and c in names]
     ds = ray.data.read_parquet([str(f) for f in files]).select_columns(columns)
+    from ray.data.expressions import col
+
+    # Column expressions: Ray evaluates them on Arrow batches, without a Python call per row.
     if "drop_reason" in columns:
-        ds = ds.filter(lambda row: not row["drop_reason"])
+        ds = ds.filter(expr=col("drop_reason").is_null() | (col("drop_reason") == ""))
     if superseded:
-        ds = ds.filter(lambda row: row["id"] not in superseded)
-    ds = ds.filter(lambda row: bool(row["text"]))
+        ds = ds.filter(expr=col("id").not_in(sorted(superseded)))
+    ds = ds.filter(expr=col("text").is_not_null() & (col("text") != ""))
     ds = ds.map_batches(
         _TokenizeBatch,
         fn_constructor_args=(str(tokenizer_file), val_fraction, group_column, use_weights),
