@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -13,6 +14,19 @@ from crawl2chat.infra.prefect_runtime import configure_prefect_env
 from crawl2chat.stages.training.registry import STAGES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="From raw web pages to an aligned chat model.")
+
+
+
+@app.callback()
+def _entry(verbose: bool = typer.Option(False, "--verbose", "-v",
+                                        help="Show the libraries' own notices too (MLflow, Ray, DeepSpeed); "
+                                             "they always reach the log files.")) -> None:
+    from crawl2chat.infra.console import VERBOSE_ENV, quiet_libraries
+
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_libraries()
+
 
 CONFIG_OPT = typer.Option(None, "--config", "-c", help="YAML configuration file.")
 SET_OPT = typer.Option(None, "--set", help="Override a config field: KEY.PATH=VALUE (repeatable).")

@@ -98,9 +98,12 @@ def _progress_printer(stage: str) -> Callable[[str], None]:
     """Echo the script's own lines with a stage prefix (the metrics file is followed
     by a :class:`MetricsFollower` thread, not from here)."""
 
+    from crawl2chat.infra.console import is_chatter
+
     def on_line(line: str) -> None:
-        # The closing JSON summary is printed by the task in a line of its own.
-        if line.strip() and not line.startswith("{"):
+        # The closing JSON summary is printed by the task in a line of its own; library
+        # notices stay in OUT/train.log.
+        if line.strip() and not line.startswith("{") and not is_chatter(line):
             print(f"[{stage}] {line}", flush=True)
 
     return on_line

@@ -40,8 +40,15 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     for line in ("base model:", "SFT model:", "reward model:", "PPO policy:", "crawl2chat lineage", "Figures",
                  "unigram baseline", "win rate vs SFT", "Talk to it: crawl2chat chat"):
         assert line in out
-    # The closing summary shows held-out questions answered by each model, side by side.
+    # The closing summary shows held-out reference questions answered by each model, side by side.
     assert out.count("\nQ: ") >= 1 and "  base: " in out and "  sft:  " in out and "  ppo:  " in out
+    assert all(q.startswith("Q: What ") for q in out.splitlines() if q.startswith("Q: ")), out[-3000:]
+    # The documentation site's banner was removed from the pages before training.
+    assert "site template lines removed" in out and "Module Index : Topics : Keywords" not in out
+    # Library notices stay in the log files, off the terminal.
+    terminal = out + proc.stderr
+    for notice in ("Removed shared tensor", "Setting accelerator to CPU", "View run", "Creating initial MLflow"):
+        assert notice not in terminal, notice
     # The embedded crawl is a documentation site: its rule profile is recorded and explained.
     assert "rule profile 'docs'" in out
     assert "Rule profile `docs`" in (tmp_path / "runs" / "data" / "review.md").read_text()

@@ -1,0 +1,48 @@
+"""What a person sees on the terminal: each stage's own lines, not library chatter.
+
+Libraries the stages run print notices that say nothing to someone running a
+pipeline: MLflow's "View run at" links and schema set-up lines, DeepSpeed's
+accelerator detection, safetensors' note on tied weights, Ray's start-up
+warnings. They still reach every stage's log file (``OUT/train.log``, Ray's
+session logs, MLflow's store); only the terminal copy is filtered.
+``crawl2chat -v`` (or ``CRAWL2CHAT_VERBOSE=1``) shows everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+VERBOSE_ENV = "CRAWL2CHAT_VERBOSE"
+
+# Lines of a launched stage's output that are library notices, not progress or errors.
+CHATTER = tuple(re.compile(p) for p in (
+    r"Removed shared tensor \{.*\} while saving",  # safetensors on tied embeddings: expected, harmless
+    r"\[real_accelerator\.py:\d+:get_accelerator\] Setting accelerator to CPU",  # DeepSpeed import on a CPU
+    r"^\U0001F3C3 View run |^\U0001F9EA View experiment at",  # MLflow's links after each run
+    r"INFO mlflow\.store\.db\.utils: (Creating initial MLflow database tables|Updating database tables)",
+    r"INFO alembic\.runtime\.migration: ",
+    r"Token authentication is enabled for this Ray cluster",
+    r"Progress bars disabled\. To enable, set",
+))
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def is_chatter(line: str) -> bool:
+    """A library notice the terminal does not show unless verbose."""
+    return not verbose() and any(p.search(line) for p in CHATTER)
+
+
+def quiet_libraries() -> None:
+    """Turn the libraries' own notices down in this process (and the ones it starts),
+    unless verbose. Called by every entry point before the libraries load."""
+    if verbose():
+        return
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration", "ray._private.authentication"):
+        logging.getLogger(name).setLevel(logging.WARNING if "ray" not in name else logging.ERROR)
