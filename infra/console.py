@@ -44,5 +44,9 @@ def quiet_libraries() -> None:
         return
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    for name in ("mlflow.store.db.utils", "alembic.runtime.migration", "ray._private.authentication"):
-        logging.getLogger(name).setLevel(logging.WARNING if "ray" not in name else logging.ERROR)
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray's notices that its token authentication is on and that progress bars are
+    # off (the data stage prints a line per step instead).
+    for name in ("ray._private.authentication", "ray.data._internal.progress"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -27,7 +27,7 @@ from crawl2chat.stages.data.settings import (BalanceConfig, CrawlConfig, DedupCo
                                              QualityConfig, ReviewConfig)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.settings import DPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig
-from crawl2chat.stages.training.settings import MLMConfig, SpanConfig
+from crawl2chat.stages.training.settings import DistillConfig, MLMConfig, SpanConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -267,6 +267,14 @@ class SpanStage(TrainStage):
     train: SpanConfig = Field(default_factory=_demo_encoder(SpanConfig), description="Training settings.")
 
 
+class DistillStage(TrainStage):
+    out: str = "runs/distill"
+    registered_name: str | None = STAGES["distill"].registered_name
+    train: DistillConfig = Field(default_factory=lambda: DistillConfig(
+        preset="tiny", seq_len=128, micro_batch_size=8, max_steps=200, warmup_steps=20, lr=3e-3, min_lr=3e-4,
+        eval_every=100, eval_batches=10, checkpoint_every=100), description="Training settings.")
+
+
 class DemoSetsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -301,6 +309,7 @@ class Config(BaseModel):
     dpo: DPOStage = Field(default_factory=DPOStage)
     mlm: MLMStage = Field(default_factory=MLMStage)
     span: SpanStage = Field(default_factory=SpanStage)
+    distill: DistillStage = Field(default_factory=DistillStage)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

@@ -31,12 +31,16 @@ def test_library_notices_are_filtered_and_progress_is_not(monkeypatch):
 
 
 def test_verbose_flag_reaches_the_process_and_what_it_starts():
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in (VERBOSE_ENV, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "MLFLOW_LOGGING_LEVEL")}
     code = ("import os, sys; from crawl2chat.cli import app; sys.argv = ['c2c', '-v', 'chat', '--help'];\n"
             "try:\n    app()\nexcept SystemExit:\n    pass\n"
             "print('VERBOSE=' + os.environ.get('CRAWL2CHAT_VERBOSE', ''), "
             "'URLS=' + os.environ.get('MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT', ''))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env).stdout
     assert "VERBOSE=1 URLS=" in out and "URLS=true" not in out
     quiet = subprocess.run([sys.executable, "-c", code.replace("'-v', ", "")], capture_output=True, text=True,
-                           timeout=120).stdout
+                           timeout=120, env=env).stdout
     assert "VERBOSE= URLS=true" in quiet

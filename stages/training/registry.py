@@ -160,4 +160,20 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
     ),
+    TrainingStage(
+        name="distill",
+        module="crawl2chat.stages.training.distill",
+        goal="Distil a teacher model into a smaller student (KL on temperature-softened targets mixed with "
+             "the next-token loss), beside the same student trained without the teacher.",
+        inputs=(StageInput("teacher", "Teacher model folder (a causal LM with its tokenizer).", "runs/pretrain/model",
+                           model_role="teacher"),
+                StageInput("data", "A data-stage output folder (its current version) or a plain text file.",
+                           "runs/data")),
+        registered_name="crawl2chat-distilled",
+        evaluation="lm",
+        report=lambda s: f"val_bpb {_fmt(s, 'val_bpb')} (teacher {_fmt(s, 'teacher_val_bpb')}, "
+                         f"same student without the teacher {_fmt(s, 'without_teacher_val_bpb')})",
+        prepare_on_host=True,
+        options=(("preset", "Student preset: tiny, cpu-small, cpu, 124m, 1b."),),
+    ),
 )}

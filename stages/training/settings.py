@@ -316,3 +316,23 @@ class SpanConfig(EncoderPretrainConfig):
         if spans > self.seq_len - noise:
             raise ValueError(f"noise_density={self.noise_density} leaves fewer kept tokens than spans in a row")
         return self
+
+
+# ---------------------------------------------------------------- distillation
+
+class DistillConfig(TrainConfig):
+    """A smaller decoder trained on a teacher's soft targets (Hinton et al.): the loss is
+    ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * cross-entropy`` with both
+    distributions softened by the temperature ``T``. The student uses the teacher's
+    tokenizer and held-out split."""
+
+    default_lr: ClassVar[float] = 1e-3
+
+    preset: Literal[DECODER_PRESETS] = "tiny"  # the student's shape (smaller than the teacher's)
+    alpha: float = Field(0.5, ge=0, le=1)  # weight of the soft-target term (0: no teacher, plain training)
+    temperature: float = Field(2.0, gt=0)  # softens both distributions in the soft-target term
+    # Also train the same student (same seed, batches and steps) with alpha=0 into OUT/without_teacher,
+    # so the summary says what the teacher added.
+    compare_without_teacher: bool = True
+    val_fraction: float = 0.01  # held out by id hash when the teacher records no split of its own
+    sample_by_weight: bool = True  # as in pretraining: documents drawn by the data stage's sample_weight
