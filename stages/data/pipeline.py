@@ -563,6 +563,10 @@ def write_dataset(
             shutil.rmtree(final_version)
         os.replace(version_dir, final_version)
         write_json_atomically(out / MANIFEST, manifest)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # a failed write() names no file: name the version's
+            raise type(e)(e.errno, e.strerror, str(tmp)) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if manifest["documents_kept"] == 0:
