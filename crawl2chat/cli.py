@@ -102,9 +102,10 @@ def train(
 
 
 def _guarded(body):
-    """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence)
-    ends in one sentence and exit status 2, the full trace being in the run's log."""
+    """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence,
+    a full disk) ends in one sentence and exit status 2, the full trace being in the run's log."""
     from crawl2chat.stages.data.pipeline import NothingUsableError
+    from crawl2chat.stages.data.versions import DamagedDataError
     from crawl2chat.stages.locks import FolderBusy
     from crawl2chat.stages.settings import SettingsError
     from crawl2chat.tasks.train import StageFailed
@@ -115,10 +116,16 @@ def _guarded(body):
         if not e.permanent:
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
-    except (NothingUsableError, FileNotFoundError, FolderBusy) as e:
+    except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy) as e:
         _fail(str(e), 2)
     except SettingsError as e:
         _fail(str(e), 2)
+    except (OSError, MemoryError) as e:  # out of disk space, a file size limit or memory: a rerun fails again
+        from crawl2chat.stages.resources import exhaustion
+
+        if (sentence := exhaustion(e)) is None:
+            raise
+        _fail(sentence, 2)
 
 
 def _stage_command(name: str):

@@ -25,6 +25,7 @@ from crawl2chat.infra.tracking import stage_run
 from crawl2chat.stages.data import pipeline as steps
 from crawl2chat.stages.data.pipeline import StepResult
 from crawl2chat.stages.data.versions import VERSIONS_DIR, VersionPlan, plan_version
+from crawl2chat.stages.resources import exhaustion
 from crawl2chat.infra.mlflow_datasets import dataset_entity
 
 
@@ -149,9 +150,21 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
     return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
 
 
+def retry_unless_exhausted(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
+    """Retry a data step once, unless it ran out of disk space, a file size limit or
+    memory (:func:`~crawl2chat.stages.resources.exhaustion`): that fails again until
+    someone frees it."""
+    try:
+        state.result()
+    except BaseException as e:  # noqa: BLE001 - the step's own error decides
+        return exhaustion(e) is None
+    return False
+
+
 def _step_task(name: str):
     def decorate(fn):
-        return task(name=name, retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)(fn)
+        return task(name=name, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_exhausted,
+                    cache_policy=NO_CACHE)(fn)
 
     return decorate
 

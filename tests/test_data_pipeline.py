@@ -247,7 +247,11 @@ def test_readable_records_of_a_truncated_copy_are_repeats(ray_local, tmp_path):
     assert cut_file["records"] == 4  # three whole records and the cut one
     rows = {r["id"]: r for r in shard_rows(out)}
     assert len(rows) == manifest["documents_kept"] == 5
-    assert manifest["drop_reasons"] == {"dedup:repeated_record": 4}
+    # The cut record is quarantined as cut; the three whole ones before it are repeats.
+    assert manifest["drop_reasons"] == {"dedup:repeated_record": 3, "extract:truncated_record": 1}
+    rejected = pq.read_table(sorted((out / "rejected").glob("*.parquet"))).to_pylist()
+    [cut_row] = [r for r in rejected if r["reason"] == "extract:truncated_record"]
+    assert cut_row["source"] == "a-cut.warc.gz" and cut_row["url"].endswith("/page3")
     # The cut record keeps the whole copy, although the cut file's name sorts first.
     page3 = next(r for r in rows.values() if r["url"].endswith("/page3"))
     assert page3["source"] == "a.warc.gz"

@@ -321,3 +321,83 @@ def test_whole_sample_folder_never_raises():
         ids = [d["id"] for d in docs if path.endswith("/" + d["source"])]
         assert len(set(ids)) == len(ids)
     assert {e["path"] for e in reader.file_errors} >= {str(WARC_DATA / "resiliparse/clipped.warc.gz")}
+
+
+# -- files cut inside a gzip member ----------------------------------------------------------
+
+
+def _member_offsets(data: bytes) -> list[int]:
+    """Start of every gzip member, then the end of the file."""
+    import zlib
+
+    offsets, pos = [0], 0
+    while pos < len(data):
+        d = zlib.decompressobj(31)
+        d.decompress(data[pos:])
+        pos = len(data) - len(d.unused_data)
+        offsets.append(pos)
+    return offsets
+
+
+def _request_and_response_warc(path: Path, n: int = 8) -> None:
+    """Request/response pairs, as a crawler writes them (request records are no documents)."""
+    with open(path, "wb") as out:
+        writer = WARCWriter(out, gzip=True)
+        for i in range(n):
+            url = f"http://cut.example.org/page{i}"
+            writer.write_record(writer.create_warc_record(
+                url, "request", payload=io.BytesIO(f"GET /page{i} HTTP/1.1\r\n\r\n".encode())))
+            words = " ".join(f"word{i}x{j}" for j in range(300))
+            http_response(writer, url, html(f"<p>Page {i} of the town archive: {words}.</p>").encode())
+
+
+def _cut_cases(seed: int = 20251203, per_file: int = 4) -> list[tuple[str, float]]:
+    rng = random.Random(seed)
+    files = ["built"] + (["dolma/sample-0000.warc.gz", "resiliparse/warcfile.warc.gz"] if WARC_DATA.is_dir() else [])
+    return [(name, round(rng.uniform(0.05, 0.95), 3)) for name in files for _ in range(per_file)] + [
+        (name, 0.3) for name in files]
+
+
+@pytest.mark.parametrize("name, fraction", _cut_cases())
+def test_file_cut_inside_a_gzip_member_is_reported_and_the_cut_record_quarantined(tmp_path, name, fraction):
+    """A .warc.gz cut part-way into one record's gzip member (a download or copy that
+    stopped): every record before the member is read as from the whole file, the file is
+    reported naming itself and the member's offset, and the cut record is one quarantine
+    row (``extract:truncated_record``), whether the cut falls in its headers or its body."""
+    source = tmp_path / "whole.warc.gz"
+    if name == "built":
+        _request_and_response_warc(source)
+    else:
+        source.write_bytes((WARC_DATA / name).read_bytes())
+    data = source.read_bytes()
+    offsets = _member_offsets(data)
+    rng = random.Random(f"{name}:{fraction}")
+    member = rng.randrange(1, len(offsets) - 1)
+    start, end = offsets[member], offsets[member + 1]
+    cut_at = start + max(1, int((end - start) * fraction))
+    path = tmp_path / "cut.warc.gz"
+    path.write_bytes(data[:cut_at])
+
+    whole = list(WarcReader().run(str(source)))
+    prefix_path = tmp_path / "prefix.warc.gz"  # the members before the cut one, intact
+    prefix_path.write_bytes(data[:start])
+    prefix_reader = WarcReader()
+    prefix = list(prefix_reader.run(str(prefix_path)))
+    assert prefix_reader.file_errors == []
+    reader = WarcReader()
+    docs = list(reader.run(str(path)))
+
+    [failure] = reader.file_errors
+    assert failure["path"] == str(path) and failure["records_read"] >= len(docs)
+    assert f"ends at byte {cut_at}" in failure["error"] and f"record starting at byte {start}" in failure["error"]
+    assert reader.stats["dropped:truncated_record"] == 1
+    # Every record before the cut member reads as from the whole file; the cut record is
+    # one quarantine row, last.
+    *before, cut_row = docs
+    assert cut_row["drop_reason"] == "extract:truncated_record" and cut_row["source"] == "cut.warc.gz"
+    key = lambda d: (d["id"], d["url"], d["text"], d["drop_reason"])  # noqa: E731
+    assert [key(d) for d in before] == [key(d) for d in prefix] == [key(d) for d in whole[: len(prefix)]]
+    # A cut document whose headers were read keeps its id (and what of its text was read).
+    if cut_row["url"] and cut_row["record_type"] == "response":
+        assert cut_row["id"] == whole[len(prefix)]["id"]
+        assert whole[len(prefix)]["text"].startswith(cut_row["text"][:200])

@@ -6,7 +6,9 @@ newly dropped, the latter with ``drop_reason``) to ``WORK/<step>/``. A step
 writes into a hidden temporary folder and renames it into place only once the
 folder holds a ``_SUCCESS.json`` marker, so a killed job never leaves a
 half-written step behind. The marker records a fingerprint of the step's inputs
-and configuration: a rerun with the same fingerprint skips the step.
+and configuration: a rerun with the same fingerprint skips the step, once the
+folder's files match the sizes and sha256 listed in its ``checksums.json``; a
+step folder damaged since it was written is named and run again.
 
 The steps: ``extract`` (WARC/WET files -> text documents), ``langid``,
 ``quality``, ``dedup``, then :func:`write_dataset` (balance, bounded zstd shards,
@@ -31,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
+from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.data.versions import (
     MANIFEST,
     VERSIONS_DIR,
@@ -120,8 +123,11 @@ def run_step(
     final = work_dir / name
     marker = read_marker(final)
     if marker and marker.get("fingerprint") == step_fingerprint:
-        marker["skipped"] = True
-        return StepResult(**marker)
+        damage = folder_damage(final)
+        if damage is None:
+            marker["skipped"] = True
+            return StepResult(**marker)
+        print(f"[data] {damage}: running the {name} step again", flush=True)
 
     work_dir.mkdir(parents=True, exist_ok=True)
     tmp = work_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -141,6 +147,7 @@ def run_step(
             seconds=round(time.perf_counter() - start, 3),
             extra=extra,
         )
+        write_checksums(tmp)  # sizes and sha256 of the step's files, checked before a rerun skips it
         (tmp / MARKER).write_text(json.dumps(result.to_dict(), indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -572,6 +579,10 @@ def write_dataset(
             shutil.rmtree(final_version)
         os.replace(version_dir, final_version)
         write_json_atomically(out / MANIFEST, manifest)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:  # a failed write() names no file: name the version's
+            raise type(e)(e.errno, e.strerror, str(tmp)) from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if manifest["documents_kept"] == 0:

@@ -17,7 +17,16 @@ shards), deduplicates the rest against the dedup index of every earlier version,
 and commits a version whose manifest lists the earlier shards plus its own. A
 version is committed when its manifest is renamed into ``versions/<name>/``; a
 killed build leaves at most files no manifest names, and the rerun reuses the
-version's finished step folders.
+version's finished step folders. A build killed after that rename, before
+``OUT/manifest.json`` followed, is completed by the next build.
+
+Damaged data is found, not read: each manifest records every shard's size and
+sha256. Readers (:func:`shard_files`, hence every training stage) check them and
+stop with :class:`DamagedDataError`, one sentence naming the file; the next build
+of the folder checks the current version the same way and rebuilds it from its
+step folders when the damage is its own, and a ``manifest.json`` that no longer
+parses is restored from ``versions/<name>/manifest.json`` once that version's
+shards check out.
 """
 
 from __future__ import annotations
@@ -51,6 +60,15 @@ class VersionPlan:
     up_to_date: dict[str, Any] | None = None  # a committed manifest that already is this build
 
 
+class DamagedDataError(ValueError):
+    """A data folder's manifest or shard is not what was written; the message names the file."""
+
+
+def _number(version: Any) -> int:
+    match = _VERSION_RE.match(str(version or ""))
+    return int(match.group(1)) if match else 0
+
+
 def version_name(number: int) -> str:
     return f"v{number:04d}"
 
@@ -69,6 +87,84 @@ def read_manifest(out_dir: str | os.PathLike, version: str | None = None) -> dic
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def load_manifest(out_dir: str | os.PathLike, version: str | None = None) -> dict[str, Any] | None:
+    """Like :func:`read_manifest`, but a manifest that exists and does not parse (or is not
+    a manifest) raises :class:`DamagedDataError` naming it; None only when there is none."""
+    path = Path(out_dir) / (f"{VERSIONS_DIR}/{version}/{MANIFEST}" if version else MANIFEST)
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise DamagedDataError(f"{path} is unreadable ({type(e).__name__}: {e}; {len(text)} bytes)") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards", []), list):
+        raise DamagedDataError(f"{path} is unreadable (not a dataset manifest)")
+    return manifest
+
+
+# sha256 checks already passed in this process: (path, size, mtime_ns) -> sha256
+_checked: dict[tuple[str, int, int], str] = {}
+
+
+def shard_damage(out_dir: str | os.PathLike, manifest: dict[str, Any]) -> tuple[str, str] | None:
+    """``(version, sentence)`` for the first shard of ``manifest`` that is missing or whose
+    size or sha256 differs from what the manifest recorded; None when all are intact.
+    A file already checked unchanged (same size and modification time) in this process
+    is not hashed again."""
+    root = Path(out_dir)
+    for shard in manifest.get("shards", []):
+        path = root / shard["path"]
+        version = str(shard.get("version") or manifest.get("version"))
+        try:
+            st = path.stat()
+        except OSError:
+            return version, f"{path} is missing (dataset version {version})"
+        if "bytes" in shard and st.st_size != shard["bytes"]:
+            return version, f"{path} has {st.st_size} bytes, {shard['bytes']} were written (dataset version {version})"
+        if "sha256" in shard:
+            key = (str(path), st.st_size, st.st_mtime_ns)
+            if _checked.get(key) != shard["sha256"]:
+                if sha256_file(path) != shard["sha256"]:
+                    return version, f"{path} does not match the sha256 its manifest recorded (dataset version {version})"
+                _checked[key] = shard["sha256"]
+    return None
+
+
+def restore_current(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The current manifest, made whole first when needed: when ``OUT/manifest.json``
+    is unreadable or older than the newest committed version (a build killed between
+    committing its version and naming it current), the newest version's manifest is
+    checked (its shards' sizes and sha256) and written as the current one."""
+    out = Path(out_dir)
+    versions = committed_versions(out)
+    try:
+        current = load_manifest(out)
+        problem = None
+    except DamagedDataError as e:
+        current, problem = None, str(e)
+    if not versions or (current is not None and current.get("version") == versions[-1]):
+        if problem:
+            raise DamagedDataError(f"{problem}, and no committed version under {out / VERSIONS_DIR} can replace it")
+        return current
+    newest = load_manifest(out, versions[-1])
+    if current is not None and _number(current.get("version")) > _number(versions[-1]):
+        return current
+    if problem:
+        why = problem
+    elif current is None:
+        why = f"{out / MANIFEST} is missing"
+    else:
+        why = f"{out / MANIFEST} still names {current.get('version')}, not the committed {versions[-1]}"
+    damage = shard_damage(out, newest)
+    if damage:
+        raise DamagedDataError(f"{why}, and {versions[-1]} cannot replace it: {damage[1]}")
+    print(f"[data] {why}: restored from {out / VERSIONS_DIR / versions[-1] / MANIFEST}", flush=True)
+    write_json_atomically(out / MANIFEST, newest)
+    return newest
 
 
 def file_identity(path: str) -> list[Any]:
@@ -92,10 +188,22 @@ def plan_version(out_dir: str | os.PathLike, files: Sequence[str], settings: dic
     files and settings equal the current version's is already done.
     """
     out = Path(out_dir)
-    current = read_manifest(out)
+    current = restore_current(out)
     versions = committed_versions(out)
     name = version_name(int(versions[-1][1:]) + 1 if versions else 1)
     work = str(out / "work" / name)
+    damage = shard_damage(out, current) if current and current.get("version") else None
+    if damage and refresh:
+        raise DamagedDataError(f"{damage[1]}; a refresh cannot extend a damaged version (build without refresh "
+                               "to rebuild it, or restore the file)")
+    if damage:
+        fp = build_fingerprint("full", None, files, settings)
+        if current.get("build_fingerprint") == fp and damage[0] == current["version"]:
+            # This very build, damaged since: redo it under its own name, from its step folders.
+            print(f"[data] {damage[1]}: rebuilding {current['version']}", flush=True)
+            return VersionPlan(current["version"], str(out / "work" / current["version"]), list(files), False, fp,
+                               previous_index=list(extra_index))
+        current = None  # a full build stands alone: the damaged version is neither reused nor extended
     if refresh and current and current.get("version"):
         seen = {tuple(f) for f in current.get("input_files", [])}
         new = [f for f in files if tuple(file_identity(f)) not in seen]
@@ -152,8 +260,9 @@ def iter_documents(source: str | os.PathLike, columns: Sequence[str]) -> Iterato
     its shards in order, without dropped or superseded documents."""
     import pyarrow.parquet as pq
 
+    files = shard_files(source)  # checks the manifest and the shards first
     skip = superseded_ids(source)
-    for path in shard_files(source):
+    for path in files:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
         cols = [c for c in dict.fromkeys([*columns, "id", "drop_reason"]) if c in names]
@@ -166,14 +275,19 @@ def iter_documents(source: str | os.PathLike, columns: Sequence[str]) -> Iterato
 
 def shard_files(source: str | os.PathLike) -> list[Path]:
     """Parquet shards of a data-stage output folder: those its current manifest names
-    (every version of the chain), else ``DIR/shards/*.parquet`` or ``DIR/*.parquet``."""
+    (every version of the chain), each checked against the size and sha256 the manifest
+    recorded (:class:`DamagedDataError` names the first that differs, as it does an
+    unreadable manifest), else ``DIR/shards/*.parquet`` or ``DIR/*.parquet``."""
     src = Path(source)
-    manifest = read_manifest(src)
+    manifest = load_manifest(src) if src.is_dir() else None
     if manifest and manifest.get("shards") and all("path" in s for s in manifest["shards"]):
         files = [src / s["path"] for s in manifest["shards"]]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"{src}/manifest.json names shards that are missing: {', '.join(missing[:3])}")
+        damage = shard_damage(src, manifest)
+        if damage:
+            raise DamagedDataError(damage[1])
         return files
     for pattern in ("shards/*.parquet", "*.parquet"):
         found = sorted(Path(p) for p in glob.glob(str(src / pattern)))

@@ -5,7 +5,12 @@ into text right here so raw bodies never have to be stored. Records that cannot
 be used are still yielded, with empty text and an ``extract:<rule>`` drop reason,
 so every loss is counted. A file that breaks half-way (truncated gzip, garbage,
 non-chunked gzip) ends quietly: what was read before the break is kept and the
-error is listed in ``WarcReader.file_errors`` for the run report.
+error is listed in ``WarcReader.file_errors`` for the run report. A file that
+ends inside a record (a download or copy cut off, in the record's gzip member,
+its headers or its body) is reported with the byte it ends at and the offset of
+the record it cuts; that record becomes one row dropped as
+``extract:truncated_record`` (with whatever of its text was read), so the cut is
+counted and quarantined rather than read as a shorter page or not at all.
 
 Parsing is warcio's ``ArchiveIterator`` (per-record gzip, ARC converted to WARC,
 chunked and gzip HTTP bodies decoded). cc_net-style uncompressed WET text dumps
@@ -20,7 +25,7 @@ import io
 import zlib
 from collections import Counter
 from pathlib import PurePosixPath
-from typing import IO, Iterator
+from typing import IO, Any, Iterator
 from urllib.parse import urlsplit
 
 import fsspec
@@ -38,6 +43,8 @@ INPUT_SUFFIXES = (
     ".warc", ".warc.gz", ".wet", ".wet.gz", ".arc", ".arc.gz", ".wet.txt", ".warc.txt", ".wet.txt.gz",
 )
 DOCUMENT_RECORD_TYPES = frozenset({"response", "resource", "conversion"})
+# Drop reason of a record the file ends inside: whatever of it was read stays in the quarantine.
+TRUNCATED = "truncated_record"
 _READ_CHUNK = 1 << 20
 # Errors of the byte stream itself: after one of these nothing further in the file can be trusted.
 _STREAM_ERRORS = (ArchiveLoadFailed, EOFError, zlib.error, OSError)
@@ -85,9 +92,41 @@ def _host(url: str) -> str:
 
 
 class _QuietArchiveIterator(ArchiveIterator):
+    """warcio's iterator, quiet, and able to tell whether the file ended inside a gzip member.
+
+    warcio treats a gzip member that stops early (a file cut off mid-record) like the
+    end of the file; the member's decompressor, kept here past warcio's own cleanup,
+    still knows it never reached the member's end."""
+
     # warcio writes a warning to stderr for each record whose Content-Length is off; the reader
     # reports those through ``err_count`` in ``file_errors`` instead.
     INC_RECORD = ""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_decompressor = None
+        self.gzipped = False
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self._last_decompressor = self.reader.decompressor
+            self.gzipped = self.gzipped or self.reader.decompressor is not None
+        super().close()
+
+    def member_cut(self) -> bool:
+        """True when the file ended (or broke) inside a gzip member: the member's
+        decompressor was fed data but never reached the member's end."""
+        decompressor = self.reader.decompressor if self.reader is not None else self._last_decompressor
+        if decompressor is None:
+            return False
+        self.gzipped = True
+        return not decompressor.eof
+
+    def end_offset(self) -> int:
+        try:
+            return int(self.fh.tell())
+        except (OSError, ValueError, AttributeError):
+            return -1
 
 
 class WarcReader:
@@ -127,21 +166,75 @@ class WarcReader:
 
     def _warc_records(self, raw_file: IO[bytes], source: str) -> Iterator[Document | None]:
         iterator = _QuietArchiveIterator(raw_file, arc2warc=True)
+        records = iter(iterator)
         seen_any = False
-        truncation = None
-        for record in iterator:
+        cut: tuple[int, str] | None = None  # (offset of the cut record, what of it is missing)
+        # Each record's document is held back until the next record parses: a record whose
+        # gzip member the file ends in can look whole (its headers cut before Content-Length).
+        pending: tuple[Document | None, Any, int] | None = None
+        while True:
+            try:
+                record = next(records)
+            except StopIteration:
+                break
+            except Exception:
+                # A gzip member that ends early makes warcio fail on its half-read headers in
+                # many ways; the cut is the cause, so it is what gets reported.
+                if cut is None and iterator.member_cut():
+                    break
+                if pending is not None:
+                    yield pending[0]
+                raise
+            if pending is not None:
+                yield pending[0]
+                pending = None
             seen_any = True
-            doc = self._record_to_document(record, source, iterator.offset)
+            start = iterator.offset
+            doc = self._record_to_document(record, source, start)
             missing = _drain(record)
-            if missing and truncation is None:
+            if missing and cut is None:
                 # Reported once the iterator has had its say: if the stream is garbage from here
                 # on, warcio's own error (raised on the next record) describes it better.
-                truncation = f"truncated record: {missing} bytes missing"
-            yield doc
+                cut = (start, f"{missing} bytes of its declared length missing")
+                doc = _mark_cut(doc, record, source, start)
+            pending = (doc, record, start)
+        end = iterator.end_offset()
+        if cut is None and end != 0 and iterator.member_cut():
+            if pending is not None and iterator.offset >= end:
+                # The file ends inside the last record that parsed.
+                doc, record, start = pending
+                pending = (_mark_cut(doc, record, source, start), record, start)
+                cut = (start, "its end cut off")
+            else:
+                # Cut before the next record's headers were complete: warcio ends as if the file had.
+                if pending is not None:
+                    yield pending[0]
+                pending = (_cut_row(None, source, iterator.offset, None), None, iterator.offset)
+                cut = (iterator.offset, "its headers cut off")
+            seen_any = True
+        elif cut is None and 0 <= iterator.offset < end:
+            # An uncompressed file that ends inside a record's headers: warcio stops before it.
+            if pending is not None:
+                yield pending[0]
+            pending = (_cut_row(None, source, iterator.offset, None), None, iterator.offset)
+            cut = (iterator.offset, "its headers cut off")
+            seen_any = True
+        elif cut is None and pending is not None and _headers_cut(pending[1]):
+            # An uncompressed file that ends inside the last record's headers.
+            doc, record, start = pending
+            pending = (_mark_cut(doc, record, source, start), record, start)
+            cut = (start, "its headers cut off")
+        if pending is not None:
+            yield pending[0]
+        if cut is not None:
+            start, what = cut
+            gz = " in a gzip member" if iterator.gzipped else ""
+            raise _RecordStreamError(
+                f"truncated record: the file ends at byte {end}{gz}, inside the record starting at byte {start} "
+                f"({what}); the records before it are kept, that record is quarantined as extract:{TRUNCATED}"
+            )
         if not seen_any:
             raise _RecordStreamError("no WARC/ARC records (empty file)")
-        if truncation:
-            raise _RecordStreamError(truncation)
         if iterator.err_count:
             raise _RecordStreamError(f"{iterator.err_count} record(s) with an invalid Content-Length")
 
@@ -299,6 +392,30 @@ def _new_document(url: str, record_key: str, source: str, fetched_at: str | None
         "charset": None,
         "record_type": record_type,
     }
+
+
+def _headers_cut(record) -> bool:
+    """A WARC record without the Content-Length every WARC record has: its headers were cut."""
+    return str(getattr(record, "format", "")).startswith("warc") and not record.rec_headers.get_header(
+        "Content-Length")
+
+
+def _mark_cut(doc: Document | None, record, source: str, offset: int) -> Document:
+    """The record the file ends inside, as a quarantine row: its document (what was read of
+    its text kept) or, for a record that is no document, a row standing for it."""
+    if doc is None:
+        doc = _cut_row(record.rec_headers.get_header("WARC-Target-URI"), source, offset, record.rec_type)
+    doc["drop_reason"] = f"extract:{TRUNCATED}"
+    return doc
+
+
+def _cut_row(url: str | None, source: str, offset: int, record_type: str | None) -> Document:
+    """The quarantine row of a cut-off record that is not a document (or whose headers were
+    cut): its id is that of the position, so a rerun over the same file gives the same row."""
+    url = (url or "").strip()
+    doc = _new_document(url, f"{source}@{offset}", source, None, record_type or "unknown")
+    doc["drop_reason"] = f"extract:{TRUNCATED}"
+    return doc
 
 
 def _read_bounded(stream, limit: int) -> tuple[bytes, str | None]:

@@ -39,6 +39,7 @@ import yaml
 from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.lifetime import die_with_parent
 from crawl2chat.stages.locks import FolderBusy, acquire
+from crawl2chat.stages.resources import exhaustion
 from crawl2chat.stages.settings import SettingsError, load_settings, parse_overrides
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES
@@ -49,14 +50,17 @@ FAILURE_FILE = "failure.json"
 # Failure kinds; only "transient" is worth a second attempt.
 BAD_INPUT = "bad_input"  # settings, data or a missing file: the user must change something
 DIVERGED = "diverged"  # training diverged after every rollback
+EXHAUSTED = "exhausted"  # the disk, a file size limit or memory ran out: a rerun fails the same way
 TRANSIENT = "transient"  # anything else (a lost peer, a killed process): a rerun resumes from the checkpoint
 BUSY = "busy"  # another process is writing the run folder (reported on stderr only: the folder is not ours)
-EXIT_CODES = {BAD_INPUT: 2, DIVERGED: 3, TRANSIENT: 1, BUSY: 4}
+EXIT_CODES = {BAD_INPUT: 2, DIVERGED: 3, TRANSIENT: 1, BUSY: 4, EXHAUSTED: 5}
 
 
 def failure_kind(error: BaseException) -> str:
     if isinstance(error, TrainingDiverged):
         return DIVERGED
+    if exhaustion(error) is not None:
+        return EXHAUSTED
     if isinstance(error, (SettingsError, ValueError, FileNotFoundError, KeyError, TypeError)):
         return BAD_INPUT
     return TRANSIENT
@@ -82,7 +86,8 @@ def _out_arg(argv: list[str]) -> Path | None:
 def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
     """Run a stage's ``main``; on failure write ``OUT/failure.json`` (kind, message),
     print the traceback and then one plain sentence, and exit with the kind's status
-    (2: bad input, 3: diverged, 1: transient)."""
+    (2: bad input, 3: diverged, 5: out of disk space, file size limit or memory,
+    1: transient)."""
     argv = sys.argv[1:] if argv is None else argv
     die_with_parent()
     out = _out_arg(argv)
@@ -103,12 +108,18 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) 
             kind, message = BAD_INPUT, f"invalid command line (exit status {e.code})"
         else:
             kind, message = failure_kind(e), str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if kind == EXHAUSTED:
+                message = exhaustion(e, out)
             traceback.print_exc()
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             tmp = out / f".{FAILURE_FILE}.{os.getpid()}"
-            tmp.write_text(json.dumps({"kind": kind, "error": type(e).__name__, "message": message}))
-            os.replace(tmp, out / FAILURE_FILE)
+            try:
+                tmp.write_text(json.dumps({"kind": kind, "error": type(e).__name__, "message": message}))
+                os.replace(tmp, out / FAILURE_FILE)
+            except OSError as write_error:  # a full disk may refuse even this small file
+                tmp.unlink(missing_ok=True)
+                print(f"error: could not write {out / FAILURE_FILE} ({write_error})", file=sys.stderr, flush=True)
         print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CODES[kind])
 
