@@ -11,3 +11,7 @@ COPY infra infra
 COPY prefect.yaml* ./
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu \
  && pip install ".[s3]" psycopg2-binary boto3
+# Containers run as an ordinary user; the runs volume starts out owned by it.
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin crawl2chat \
+ && mkdir -p /app/runs && chown crawl2chat:crawl2chat /app/runs
+USER 1000:1000
