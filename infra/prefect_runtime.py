@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from crawl2chat.stages.telemetry import disable_telemetry
+
 
 def configure_prefect_env(home: str | None = None) -> None:
     """Set Prefect's environment before it is imported.
@@ -21,10 +23,7 @@ def configure_prefect_env(home: str | None = None) -> None:
     """
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # The pipeline talks to its own services only: no usage reports to outside hosts.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    disable_telemetry()
     # Each stage prints its own progress lines; library progress bars would interleave with them.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -2,7 +2,8 @@
 
 Data steps call :func:`ensure_ray` before building datasets. With no address, Ray
 starts in-process on this machine with the dashboard off (it is a separate web
-server most single-machine runs do not want). With ``RAY_ADDRESS`` (for example
+server most single-machine runs do not want), and every one of its servers
+listens on the loopback address only. With ``RAY_ADDRESS`` (for example
 ``ray://head:10001`` or ``127.0.0.1:6379``) the same code runs on the cluster;
 every node needs crawl2chat installed (the compose image has it), since the
 functions the steps ship to workers import it there.
@@ -24,6 +25,24 @@ from ray.data.context import ShuffleStrategy
 log = logging.getLogger(__name__)
 
 
+def _loopback_only() -> None:
+    """Make the loopback address the local instance's node address, so that every
+    server it starts (GCS, raylet, workers, runtime-env agent) listens on 127.0.0.1 only.
+
+    Ray binds its servers to the node address, and takes the machine's outward
+    address as the node address unless its single-machine mode is on (the
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` setting, read once when Ray is imported;
+    an explicit ``_node_ip_address="127.0.0.1"`` is turned back into the outward
+    address). The value Ray read is set here, for this process only: the processes
+    the instance starts are handed the node address, and a ``ray start`` run later
+    from this process keeps Ray's usual behaviour. ``tests/test_ray_loopback.py``
+    checks every listening socket of a started instance.
+    """
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def ensure_ray(num_cpus: int | None = None) -> dict:
     """Initialise Ray once per process and return a short description of it."""
     if not ray.is_initialized():
@@ -34,6 +53,7 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         else:
             # "local": a new instance, never a cluster some earlier `ray start` left on this machine.
             kwargs.update(address="local", include_dashboard=False, num_cpus=num_cpus)
+            _loopback_only()
             # The local instance lives and dies with this process: Ray binds its GCS and
             # raylet to it (a parent-death signal); the raylet's agents are told of the
             # raylet's death through a pipe instead of noticing it by polling.

@@ -15,6 +15,8 @@ from typing import Any, Iterable
 
 import mlflow
 
+from crawl2chat.stages.secrets import mask_secrets
+
 
 def _table(rows: dict[str, Any]) -> list[str]:
     lines = ["| | |", "|---|---|"]
@@ -26,7 +28,9 @@ def _table(rows: dict[str, Any]) -> list[str]:
 
 
 def log_record(goal: str, config: dict[str, Any], data: dict[str, Any], results: dict[str, Any]) -> str:
-    """Markdown record of the active run: description (``mlflow.note.content``) and ``record.md``."""
+    """Markdown record of the active run: description (``mlflow.note.content``) and ``record.md``
+    (credentials in the configuration and the tables masked)."""
+    config, data, results = mask_secrets(config), mask_secrets(data), mask_secrets(results)
     text = "\n".join(
         [f"**Goal.** {goal}", "", "**Data.**", *_table(data), "", "**Results.**", *_table(results), "",
          "<details><summary>Configuration</summary>", "", "```json",

@@ -19,6 +19,7 @@ import mlflow
 
 from crawl2chat.infra.mlflow_datasets import file_digest
 from crawl2chat.stages.data.versions import read_manifest
+from crawl2chat.stages.secrets import mask_secrets
 
 RUN_FILE = "run.json"  # in a run folder: the stage, its key, inputs and settings
 DONE_FILE = "summary.json"  # in a finished run folder: the summary and its MLflow run
@@ -57,7 +58,8 @@ def run_folder(out: str | Path, stage: str, inputs: dict[str, str], identities: 
     run_dir = Path(out).resolve() / key
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_FILE).exists():
-        payload = {"stage": stage, "key": key, "inputs": inputs, "identities": identities, "settings": settings}
+        payload = {"stage": stage, "key": key, "inputs": inputs, "identities": identities,
+                   "settings": mask_secrets(settings)}
         tmp = run_dir / f".{RUN_FILE}.tmp"
         tmp.write_text(json.dumps(payload, indent=2, default=str))
         os.replace(tmp, run_dir / RUN_FILE)
@@ -82,7 +84,8 @@ def recorded_run(run_dir: Path) -> dict | None:
         done = json.loads((run_dir / DONE_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if done.get("tracking_uri") != mlflow.get_tracking_uri():
+    # Compared as recorded: a summary may hold the store's address with its password masked.
+    if mask_secrets(done.get("tracking_uri")) != mask_secrets(mlflow.get_tracking_uri()):
         return None
     try:
         mlflow.MlflowClient().get_run(done["run_id"])

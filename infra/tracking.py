@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import mlflow
 
+from crawl2chat.stages.secrets import mask_secrets
+
 
 # mlflow.set_tracking_uri writes the URI it is given back into os.environ, so the
 # user's own MLFLOW_TRACKING_URI is read once, before this process sets any: a
@@ -58,12 +60,11 @@ def flatten(prefix: str, value: Any, out: dict[str, Any] | None = None) -> dict[
     return out
 
 
-SECRET_WORDS = ("password", "secret", "token", "key", "credential")
-
-
 def safe_params(params: dict[str, Any]) -> dict[str, Any]:
-    """Never log secrets: values of parameters whose names look secret are masked."""
-    return {k: ("***" if any(w in k.lower() for w in SECRET_WORDS) else v) for k, v in params.items()}
+    """Flat MLflow params with credentials masked (:func:`~crawl2chat.stages.secrets.mask_secrets`):
+    by value anywhere (a URI's password, ``?token=``, ``AKIA...``), and by the last
+    part of the name when it names a secret (``tracking.db_password``)."""
+    return mask_secrets(params)
 
 
 # The pipeline's parent run. Prefect may run a task in another thread, where MLflow's
@@ -76,7 +77,7 @@ def pipeline_run(name: str, params: dict[str, Any] | None = None, tags: dict[str
     """The parent run of one pipeline run; stage runs opened inside become its children."""
     with mlflow.start_run(run_name=name, tags={"crawl2chat.pipeline": name, **(tags or {})}) as run:
         if params:
-            mlflow.log_params(safe_params(flatten("", params)))
+            mlflow.log_params(safe_params(flatten("", mask_secrets(params))))
         token = parent_run_id.set(run.info.run_id)
         try:
             yield run
@@ -96,5 +97,5 @@ def stage_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, s
         tags={"crawl2chat.stage": name, **(tags or {})},
     ) as run:
         if params:
-            mlflow.log_params(safe_params(flatten("", params)))
+            mlflow.log_params(safe_params(flatten("", mask_secrets(params))))
         yield run

@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from crawl2chat.infra.ray_runtime import ensure_ray
 from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
+from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data import pipeline as steps
 from crawl2chat.stages.data.pipeline import StepResult
 from crawl2chat.stages.data.versions import VERSIONS_DIR, VersionPlan, plan_version
@@ -66,7 +67,7 @@ def log_step(result: StepResult, params: dict | None = None) -> None:
     plot_bars(result.dropped, f"{result.name}: documents dropped by reason", f"{result.name}_drop_reasons.png")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{result.name}_result.json"
-        path.write_text(json.dumps(result.to_dict(), indent=2, default=str))
+        path.write_text(json.dumps(mask_secrets(result.to_dict()), indent=2, default=str))
         mlflow.log_artifact(str(path))
 
 
@@ -136,7 +137,7 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
                 **{f"skipped.{metric_name(k)}": v for k, v in result.skipped.items()},
             }
         )
-        mlflow.log_dict(report, "crawl_report.json")
+        mlflow.log_dict(mask_secrets(report), "crawl_report.json")
         print(f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
               f"{len(result.warc_paths)} WARC files", flush=True)
     if result.pages_fetched + result.pages_not_modified == 0:
@@ -299,7 +300,7 @@ def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, co
                 mlflow.log_artifact(str(manifest_path))
         version_dir = Path(out_dir) / VERSIONS_DIR / manifest["version"]
         (version_dir / RUN_FILE).write_text(json.dumps({"run_id": run.info.run_id,
-                                                        "tracking_uri": mlflow.get_tracking_uri()}))
+                                                        "tracking_uri": mask_secrets(mlflow.get_tracking_uri())}))
         mlflow.set_tags({"crawl2chat.data_version": manifest["version"],
                          "crawl2chat.data_base_version": str(manifest.get("base_version"))})
         mlflow.log_metric("version_documents_kept", manifest["version_documents_kept"])

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 import ray
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
+from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data.versions import (
     MANIFEST,
     VERSIONS_DIR,
@@ -562,7 +563,7 @@ def write_dataset(
             "balance_groups": {"docs": balance.get("groups", {}), "sizes": balance.get("group_sizes", {})},
             "content_digest": content_digest(shards),
             "build_fingerprint": plan.fingerprint,
-            "config": config,
+            "config": mask_secrets(config),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (version_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))

@@ -36,7 +36,8 @@ import yaml
 from crawl2chat.stages.training.models import build_model, flops_per_token, model_config, num_params
 from crawl2chat.stages.training.packing import INDEX, load_documents, load_index, open_tokens, pack_shards
 from crawl2chat.stages.training.tokenizer import check_tokenizer, load_tokenizer, train_tokenizer
-from crawl2chat.stages.training.stage import finished_summary, resolve, run_script, save_model, stage_parser
+from crawl2chat.stages.training.stage import (finished_summary, resolve, run_script, save_model, stage_parser,
+                                              write_settings)
 from crawl2chat.stages.training.trainer import Trainer, make_accelerator
 from crawl2chat.stages.training.settings import PretrainConfig
 
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        write_settings(cfg, out)
         prepare_data(cfg, args.data, out)  # already done when prepare_on_host ran
     acc.wait_for_everyone()
     tok_dir, data_dir = Path(cfg.tokenizer) if cfg.tokenizer else out / "tokenizer", out / "data"

@@ -40,6 +40,7 @@ from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.lifetime import die_with_parent
 from crawl2chat.stages.locks import FolderBusy, acquire
 from crawl2chat.stages.resources import exhaustion
+from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.settings import SettingsError, load_settings, parse_overrides
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES
@@ -189,10 +190,15 @@ def start_stage(config_cls, args: argparse.Namespace, model_path: str) -> tuple[
     return StageStart(cfg, out, acc, tokenizer, pad_id), None
 
 
+def write_settings(cfg, out: Path) -> None:
+    """``OUT/config.yaml``: the settings the run trained with, credentials masked (a record, never read back)."""
+    (out / "config.yaml").write_text(yaml.safe_dump(mask_secrets(cfg.model_dump(mode="json")), sort_keys=False))
+
+
 def prepare_out(acc, cfg, out: Path) -> None:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        write_settings(cfg, out)
     acc.wait_for_everyone()
 
 

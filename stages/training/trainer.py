@@ -16,7 +16,8 @@ A stage supplies a model, a ``batch_fn`` that returns the micro-batch for a
 * checkpoints with ``accelerator.save_state``: model, optimizer, scheduler,
   RNG states and the :class:`TrainState` (step, data position, learning-rate
   scale, rollback count, recent losses), so a resumed run continues exactly
-  where it stopped;
+  where it stopped; nothing in a checkpoint is loaded in a way that can run code
+  (:class:`JsonStateAccelerator`: the schedule and the trainer's state as JSON);
 * rollback: a non-finite loss or gradient norm, or a loss spike beyond
   ``spike_factor`` x the recent mean, reloads the last good checkpoint, skips
   the batches since it up to and including the offending one, scales the
@@ -59,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+
 from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.training.models import is_checkpointing
 from crawl2chat.stages.training.settings import LoopConfig, TrainConfig
@@ -299,8 +302,60 @@ BatchFn = Callable[[int, int, int, int], dict[str, torch.Tensor]]
 EvalBatchesFn = Callable[[int, int], Iterable[dict[str, torch.Tensor]]]
 
 
+CUSTOM_STATE = "custom_state_{}.json"  # in a checkpoint: the i-th object registered for checkpointing
+PICKLED_CUSTOM_STATE = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # Accelerate's own form of them
+
+
+class JsonStateAccelerator(Accelerator):
+    """An ``Accelerator`` whose checkpoints can be loaded without running code from them.
+
+    Accelerate pickles the objects registered with ``register_for_checkpointing``
+    (the learning-rate schedule, the trainer's own state) and unpickles them with
+    ``torch.load`` with ``weights_only`` off, which runs whatever a tampered file asks. Here
+    they are written as JSON instead, ``custom_state_<i>.json``, and read back with
+    ``json``; the rest of a checkpoint is safetensors (the models) or files Accelerate
+    itself loads with ``torch.load(weights_only=True)`` (optimizer, RNG states). A
+    checkpoint that holds pickled registered objects is refused by name, never unpickled.
+    """
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
+        registered, self._custom_objects = self._custom_objects, []
+        try:
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            self._custom_objects = registered
+        if self.is_main_process:
+            for i, obj in enumerate(registered):
+                path = Path(location) / CUSTOM_STATE.format(i)
+                try:
+                    text = json.dumps(obj.state_dict(), allow_nan=True)
+                except TypeError as e:
+                    raise TypeError(f"{type(obj).__name__}.state_dict() is not plain data for {path.name}: {e}") from e
+                path.write_text(text)
+        return location
+
+    def load_state(self, input_dir=None, **kwargs):
+        folder = Path(input_dir)
+        pickled = sorted(p.name for p in folder.iterdir() if PICKLED_CUSTOM_STATE.match(p.name))
+        if pickled:
+            raise ValueError(f"checkpoint {folder} holds pickled state ({', '.join(pickled)}), which is never "
+                             "loaded; resume from a checkpoint written by this version or start the run again")
+        registered, self._custom_objects = self._custom_objects, []
+        try:
+            result = super().load_state(str(folder), **kwargs)
+        finally:
+            self._custom_objects = registered
+        for i, obj in enumerate(registered):
+            path = folder / CUSTOM_STATE.format(i)
+            try:
+                state = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"checkpoint file {path} is missing or unreadable: {e}") from e
+            obj.load_state_dict(state)
+        return result
+
+
 def make_accelerator(cfg: LoopConfig):
-    from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     handlers = []
@@ -309,7 +364,7 @@ def make_accelerator(cfg: LoopConfig):
         # accelerate knows no process-group backend for a machine without an
         # accelerator device and would report every DeepSpeed rank as process 0 of 1.
         handlers.append(InitProcessGroupKwargs(backend=backend))
-    acc = Accelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision), kwargs_handlers=handlers)
+    acc = JsonStateAccelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision), kwargs_handlers=handlers)
     if acc.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
     set_seed(cfg.seed)
