@@ -28,6 +28,7 @@ from crawl2chat.infra.tracking import stage_run
 from crawl2chat.infra.training_records import MetricsFollower, log_model_folder
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.locks import hold_folder
+from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, model_damage, read_failure, script_argv
 
 
@@ -223,7 +224,7 @@ def _record_training(stage, out, run_dir, settings, launch, inputs, identities, 
                 print(f"[{stage}] evaluation failed: {type(e).__name__}: {e}", flush=True)
         log_record(STAGES[stage].goal, settings, {**inputs, **(params or {})},
                    _figures({**summary, **summary.get("eval", {})}))
-    summary["tracking_uri"] = mlflow.get_tracking_uri()
+    summary["tracking_uri"] = mask_secrets(mlflow.get_tracking_uri())  # a server password stays out of the run folder
     # Written last and renamed into place: its presence means trained and recorded.
     tmp = run_dir / f".{DONE_FILE}.tmp"
     tmp.write_text(json.dumps(summary, indent=2, default=str))
