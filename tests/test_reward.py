@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crawl2chat.stages.training.reward import collate_pairs, load_reward_model, pairwise_loss
+from crawl2chat.stages.training.reward import collate_pairs, load_reward_model, pair_rewards, pairwise_loss
 from crawl2chat.tasks.train import launch_training
 from crawl2chat.stages.training.trainer import read_metrics
 from test_sft import BAD, GOOD, TOPICS, tiny_base, write_jsonl
@@ -107,3 +107,57 @@ def test_reward_model_learns_rule_under_accelerate(base, tmp_path):
             return model(**ids).logits[0, 0].item()
 
     assert score("sun warm light") > score("rain fog night")
+
+
+def ranked_rows(n: int = 80, seed: int = 2) -> list[dict]:
+    """Answers ranked by how many 'fair weather' words they hold (best first)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        k = rng.randint(4, 6)
+        answers = [" ".join([rng.choice(GOOD) for _ in range(k - j)] + [rng.choice(BAD) for _ in range(j + 1)])
+                   for j in range(k)]  # answer j: k - j good words, j + 1 bad ones
+        rows.append({"prompt": f"describe the {rng.choice(TOPICS)} {i}", "ranked": answers})
+    return rows
+
+
+def test_a_ranked_row_gives_every_pair_and_counts_once(base, tmp_path):
+    from transformers import AutoTokenizer
+
+    from crawl2chat.stages.training.chat_data import encode_pair, load_preferences
+
+    rows = [{"prompt": "rank these", "ranked": ["a b c", "d e", "f", "g h"]},
+            {"prompt": "plain", "chosen": "sun", "rejected": "rain"},
+            {"prompt": "one answer", "ranked": ["only"]},
+            {"prompt": "twice", "ranked": ["same", "same"]}]
+    pairs, skipped = load_preferences(write_jsonl(tmp_path / "ranked.jsonl", rows))
+    assert skipped == {"bad_ranking": 1, "identical_pair": 1}
+    ranked = [p for p in pairs if p.get("group")]
+    assert [(p["chosen"], p["rejected"]) for p in ranked] == [
+        ("a b c", "d e"), ("a b c", "f"), ("a b c", "g h"), ("d e", "f"), ("d e", "g h"), ("f", "g h")]
+    tok = AutoTokenizer.from_pretrained(base)
+    enc = []
+    for p in pairs:
+        e = encode_pair(tok, p, 64)
+        e["group"] = p.get("group")
+        enc.append(e)
+    batch = collate_pairs(enc, tok.pad_token_id)
+    assert batch["weight"].tolist() == pytest.approx([1 / 6] * 6 + [1.0])
+    model = load_reward_model(base, tok.pad_token_id).eval()
+    with torch.no_grad():
+        loss, n = pairwise_loss(model, batch)
+        rc, rr = pair_rewards(model, batch)
+    per_pair = -F.logsigmoid(rc - rr)
+    # The ranked prompt's six pairs count as much as the one plain pair.
+    assert n == 7 and loss.item() == pytest.approx(((per_pair[:6].mean() + per_pair[6]) / 2).item(), rel=1e-5)
+
+
+def test_reward_model_learns_rankings_under_accelerate(base, tmp_path):
+    data = write_jsonl(tmp_path / "ranked.jsonl", ranked_rows())
+    out = tmp_path / "rm"
+    launch_training("reward", {"base": str(base), "data": str(data)}, str(out), max_steps=30,
+                    overrides=["seq_len=64", "micro_batch_size=2", "lr=3e-3", "min_lr=3e-4", "warmup_steps=3",
+                               "eval_every=0", "checkpoint_every=0", "val_fraction=0.2", "eval_batches=8"])
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["prompts"] < m["pairs"] and m["held_out"] >= 20
+    assert m["eval_accuracy"] >= 0.8, m  # chance is 0.5 on the held-out prompts' pairs

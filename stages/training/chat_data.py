@@ -155,6 +155,37 @@ def preference_pair(row: dict[str, Any]) -> dict[str, Any]:
     return {"prompt": cm[:-1], "chosen": cm[-1]["content"], "rejected": rm[-1]["content"], "margin": margin}
 
 
+MAX_RANKED = 16  # answers of one ranked row (120 pairs)
+
+
+def ranked_pairs(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A prompt with ``ranked`` answers, best first, as every ordered pair of them
+    (K choose 2), each tagged with the prompt (``group``) and weighted
+    ``1 / (K choose 2)`` so that a prompt counts once in the reward model's loss,
+    however many answers it ranks (InstructGPT)."""
+    answers = row.get("ranked")
+    if not isinstance(answers, list) or not 2 <= len(answers) <= MAX_RANKED:
+        raise ValueError("bad_ranking")
+    texts = [_text(a) for a in answers]
+    if any(t is None for t in texts):
+        raise ValueError("empty_field")
+    if len(set(texts)) != len(texts):
+        raise ValueError("identical_pair")
+    prompt = row.get("prompt")
+    pmsgs = [{"role": "user", "content": prompt}] if _text(prompt) else _messages(prompt) if prompt else None
+    if pmsgs is None:
+        raise ValueError("empty_field")
+    group = json.dumps(pmsgs, sort_keys=True)
+    n = len(texts) * (len(texts) - 1) // 2
+    return [{"prompt": pmsgs, "chosen": texts[i], "rejected": texts[j], "margin": None, "group": group,
+             "weight": 1.0 / n} for i in range(len(texts)) for j in range(i + 1, len(texts))]
+
+
+def preference_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pairs of a row: a ranked row gives all of its pairs, any other shape one."""
+    return ranked_pairs(row) if "ranked" in row else [preference_pair(row)]
+
+
 def prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
     """The prompt of a row in any SFT or preference shape (a trailing assistant turn is dropped)."""
     try:
@@ -197,7 +228,10 @@ def load_sft(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], Count
 
 
 def load_preferences(path: str | os.PathLike) -> tuple[list[dict[str, Any]], Counter]:
-    return _load(path, preference_pair)
+    """Preference pairs of a file; a ranked row's pairs come one after another, sharing
+    its ``group`` (see :func:`ranked_pairs`)."""
+    rows, skipped = _load(path, preference_rows)
+    return [p for pairs in rows for p in pairs], skipped
 
 
 def load_prompts(path: str | os.PathLike) -> tuple[list[list[dict[str, str]]], Counter]:

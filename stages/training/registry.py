@@ -96,7 +96,8 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         module="crawl2chat.stages.training.reward",
         goal="Train a scalar reward model on preference pairs (pairwise logistic loss).",
         inputs=(StageInput("base", "Base (or SFT) model folder.", "runs/pretrain/model", model_role="base"),
-                StageInput("data", "Preference pairs: prompt+chosen+rejected[+margin], or HH transcripts.", "",
+                StageInput("data", "Preference pairs: prompt+chosen+rejected[+margin], prompt+ranked (answers best first), "
+                           "or HH transcripts.", "",
                            setting="data")),
         registered_name="crawl2chat-reward",
         evaluation=None,

@@ -11,7 +11,10 @@ score is read at the last non-padding token, which here is the end-of-turn
 marker closing the assistant answer. Loss per pair is
 ``-logsigmoid(r_chosen - r_rejected - margin)`` (Bradley-Terry with a margin:
 the pair's own ``margin`` column where it has one, else the ``margin`` setting,
-0.1 by default). Training machinery is the shared
+0.1 by default). A row with ``ranked`` answers (best first, 2-16 of them) gives
+all of its K choose 2 pairs, drawn into one batch together and averaged per
+prompt, as InstructGPT does, so a prompt counts once however many answers it
+ranks. Training machinery is the shared
 :class:`~crawl2chat.stages.training.trainer.Trainer`; re-running on the same ``OUT`` resumes.
 
 Outputs: ``OUT/model`` (loads with ``AutoModelForSequenceClassification``;
@@ -37,16 +40,23 @@ from crawl2chat.stages.training.stage import finish, run_script, stage_parser, s
 from crawl2chat.stages.training.trainer import Trainer
 from crawl2chat.stages.training.settings import RewardConfig
 
-def tokenise_pairs(tokenizer, pairs, cfg, key=lambda p: json.dumps(p, sort_keys=True)):
+def _pair_key(pair: dict[str, Any]) -> str:
+    """A ranked row's pairs share their prompt's key, so they fall on one side of the split."""
+    return pair.get("group") or json.dumps(pair, sort_keys=True)
+
+
+def tokenise_pairs(tokenizer, pairs, cfg, key=_pair_key):
     """Encoded pairs split into train/held-out
     (:func:`~crawl2chat.stages.training.chat_data.split_held_out`), skip counts and the split rule."""
     encoded, keys, skipped = [], [], Counter()
     for p in pairs:
         try:
-            encoded.append(encode_pair(tokenizer, p, cfg.seq_len))
-        except ValueError as e:
-            skipped[str(e)] += 1
+            e = encode_pair(tokenizer, p, cfg.seq_len)
+        except ValueError as err:
+            skipped[str(err)] += 1
             continue
+        e["group"] = p.get("group")
+        encoded.append(e)
         keys.append(key(p))
     held, rule = split_held_out(keys, cfg.val_fraction)
     train = [e for e, h in zip(encoded, held) if not h]
@@ -58,13 +68,31 @@ def tokenise_pairs(tokenizer, pairs, cfg, key=lambda p: json.dumps(p, sort_keys=
 
 def collate_pairs(encoded: list[dict[str, Any]], pad_id: int, margin: float = 0.0) -> dict[str, torch.Tensor]:
     """Chosen and rejected rows right-padded to one length (chosen first, then rejected);
-    ``margin`` for the pairs that carry none of their own."""
+    ``margin`` for the pairs that carry none of their own; ``weight`` of each pair in
+    the loss (``1 / pairs`` of its prompt in the batch, so every prompt counts once)."""
     rows = [e["chosen"] for e in encoded] + [e["rejected"] for e in encoded]
     masks = [e["chosen_mask"] for e in encoded] + [e["rejected_mask"] for e in encoded]
     ids = pad(rows, pad_id)
+    sizes = Counter(e.get("group") for e in encoded if e.get("group"))
     return {"input_ids": ids, "attention_mask": pad([[1] * len(r) for r in rows], 0, ids.shape[1]),
             "response_mask": pad(masks, 0, ids.shape[1]),
-            "margin": torch.tensor([margin if e["margin"] is None else float(e["margin"]) for e in encoded])}
+            "margin": torch.tensor([margin if e["margin"] is None else float(e["margin"]) for e in encoded]),
+            "weight": torch.tensor([1.0 / sizes[e["group"]] if e.get("group") else 1.0 for e in encoded])}
+
+
+def prompt_units(n_train: int, encoded: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Indices of ``encoded`` (train first, then held-out) grouped by prompt: a ranked
+    row's pairs form one unit, drawn into one batch together (InstructGPT); any other
+    pair is a unit of its own."""
+    units: list[list[int]] = []
+    for i, e in enumerate(encoded):
+        same = units and i != n_train and e.get("group") and encoded[units[-1][-1]].get("group") == e["group"]
+        if same:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    first_val = next((u for u, idx in enumerate(units) if idx[0] >= n_train), len(units))
+    return units[:first_val], units[first_val:]
 
 
 def pair_rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +103,14 @@ def pair_rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pairwise_loss(model, batch) -> tuple[torch.Tensor, int]:
-    """Mean ``-logsigmoid(r_chosen - r_rejected - margin)`` over the pairs of the batch."""
+    """``-logsigmoid(r_chosen - r_rejected - margin)`` averaged per prompt, then over the
+    prompts of the batch (plain pairs: the mean over pairs)."""
     rc, rr = pair_rewards(model, batch)
-    return -F.logsigmoid(rc - rr - batch["margin"]).mean(), rc.shape[0]
+    losses = -F.logsigmoid(rc - rr - batch["margin"])
+    weight = batch.get("weight")
+    if weight is None:
+        return losses.mean(), rc.shape[0]
+    return (losses * weight).sum() / weight.sum(), rc.shape[0]
 
 
 @torch.no_grad()
@@ -122,8 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
     pairs, bad_rows = load_preferences(args.data)
     train, val, skipped, rule = tokenise_pairs(tokenizer, pairs, cfg)
     encoded = train + val
-    sampler = ExampleSampler(len(train), list(range(len(train), len(encoded))),
-                             lambda ids: collate_pairs([encoded[i] for i in ids], pad_id, cfg.margin), cfg)
+    train_units, val_units = prompt_units(len(train), encoded)
+    units = train_units + val_units
+    sampler = ExampleSampler(len(train_units), list(range(len(train_units), len(units))),
+                             lambda ids: collate_pairs([encoded[j] for i in ids for j in units[i]], pad_id, cfg.margin),
+                             cfg)
     model = load_reward_model(args.base, pad_id)
     if cfg.grad_checkpointing:
         enable_grad_checkpointing(model)
@@ -139,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                       eval_batches_fn=sampler.eval_batches if val else None, eval_extra=eval_extra)
     summary = trainer.fit()
     summary.update(stage="reward", base=str(Path(args.base).resolve()), data=str(Path(args.data).resolve()),
-                   pairs=len(train), held_out=len(val), held_out_rule=rule, margin=cfg.margin,
+                   pairs=len(train), prompts=len(train_units), held_out=len(val), held_out_rule=rule, margin=cfg.margin,
                    skipped=dict(bad_rows + skipped))
     return finish(acc, trainer, Path(args.base), out, summary)
 
