@@ -385,7 +385,7 @@ def build_quality_blocks(cfg: QualityConfig) -> list[Block]:
 
     Repetition runs first (on the page as crawled, before C4 removes lines),
     then the Gopher quality rules, C4's line cleaning, FineWeb's rules on the
-    cleaned text, and last the trained classifier, which overwrites
+    cleaned text, the harmful-content filter, and last the trained classifier, which overwrites
     ``quality_score`` with its probability.
     """
     blocks: list[Block] = []
@@ -397,6 +397,10 @@ def build_quality_blocks(cfg: QualityConfig) -> list[Block]:
         blocks.append(C4Filter(cfg.c4))
     if cfg.fineweb.enabled:
         blocks.append(FineWebQualityFilter(cfg.fineweb))
+    if cfg.harmful.enabled:
+        from crawl2chat.stages.data.harmful import HarmfulContentFilter
+
+        blocks.append(HarmfulContentFilter(cfg.harmful))
     if cfg.classifier.enabled:
         blocks.append(QualityClassifierFilter(cfg.classifier))
     return blocks

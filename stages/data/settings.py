@@ -458,6 +458,40 @@ class FineWebQualityConfig(BaseModel):
     )
 
 
+class HarmfulConfig(BaseModel):
+    """Harmful-content filter: listed words (per language) and, optionally, a fastText classifier.
+
+    A page is dropped as ``harmful:word_list`` when listed words (and phrases) make
+    up at least ``max_word_fraction`` of its words and occur at least
+    ``min_matches`` times, and as ``harmful:classifier`` when the classifier gives
+    ``classifier_label`` a probability of ``classifier_threshold`` or more. Pages in
+    a language without a list are not judged by the word rule (never dropped for
+    lack of a list)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="Run the harmful-content filter in the quality step.")
+    word_lists: dict[str, str] = Field(
+        default_factory=lambda: {"en": "default"},
+        description="Language code -> word list file (one word or phrase per line, '#' comments). "
+        "'default' is the English list shipped in stages/data/models/harmful_words.en.txt "
+        "(MIT, see harmful_words.NOTICE.md).",
+    )
+    max_word_fraction: float = Field(
+        0.02, gt=0, le=1, description="Share of a page's words that are listed, at or above which it is dropped."
+    )
+    min_matches: int = Field(
+        3, ge=1, description="Listed words a page must hold before the share counts (one stray word never drops a page)."
+    )
+    classifier_model: str | None = Field(
+        None, description="A fastText classifier (.bin/.ftz) of harmful content; none: the word rule only."
+    )
+    classifier_label: str = Field("__label__harmful", description="The classifier's label for harmful content.")
+    classifier_threshold: float = Field(
+        0.5, ge=0, le=1, description="Probability of `classifier_label` at or above which a page is dropped."
+    )
+
+
 class QualityConfig(BaseModel):
     model_config = _CONFIG
 
@@ -467,6 +501,7 @@ class QualityConfig(BaseModel):
     gopher_quality: GopherQualityConfig = Field(default_factory=GopherQualityConfig, description="Gopher quality rules.")
     c4: C4Config = Field(default_factory=C4Config, description="C4 line and page rules.")
     fineweb: FineWebQualityConfig = Field(default_factory=FineWebQualityConfig, description="FineWeb quality rules.")
+    harmful: HarmfulConfig = Field(default_factory=HarmfulConfig, description="Harmful-content filter.")
     classifier: QualityClassifierConfig = Field(
         default_factory=QualityClassifierConfig, description="fastText quality classifier (given or trained)."
     )

@@ -1,0 +1,98 @@
+"""Harmful-content filter: per-language word lists and an optional fastText classifier.
+
+The word rule is C4's "bad words" idea with two changes that keep it from
+discarding what it should not: a page is dropped only when listed words reach
+a share of its words (and a minimum count), never for one stray hit (every list
+holds words with harmless uses: anatomy, names), and a page is judged only by
+the list of its own language (``lang`` from language ID), so an English list
+never drops a German or Chinese page. Words come from
+:func:`crawl2chat.stages.data.text.split_words` (a CJK character is a word), so
+lists work for unspaced scripts too; phrases match on consecutive words.
+Written here: the list-matching packages (better-profanity and its ports)
+censor strings in one language rather than count matches per page and language.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from crawl2chat.stages.data import fasttext_models
+from crawl2chat.stages.data.base import Block, Document
+from crawl2chat.stages.data.settings import HarmfulConfig
+from crawl2chat.stages.data.text import split_words
+
+DEFAULT_LIST = "default"
+
+
+def read_word_list(path: str, setting: str) -> tuple[frozenset[str], tuple[tuple[str, ...], ...]]:
+    """Single words and multi-word phrases of a list file (lower-cased, split like page text)."""
+    if path == DEFAULT_LIST:
+        text = resources.files("crawl2chat.stages.data").joinpath("models/harmful_words.en.txt").read_text("utf-8")
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise FileNotFoundError(f"{setting}: word list {path} cannot be read ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{setting}: word list {path} is not UTF-8 text") from None
+    words, phrases = set(), set()
+    for line in text.splitlines():
+        entry = tuple(w.lower() for w in split_words(line.split("#", 1)[0]))
+        if len(entry) == 1:
+            words.add(entry[0])
+        elif entry:
+            phrases.add(entry)
+    if not words and not phrases:
+        raise ValueError(f"{setting}: word list {path} has no entries")
+    return frozenset(words), tuple(sorted(phrases))
+
+
+class HarmfulContentFilter(Block):
+    """Drops pages whose listed words reach ``max_word_fraction`` (``harmful:word_list``)
+    or that the classifier scores as harmful (``harmful:classifier``)."""
+
+    name = "harmful"
+
+    def __init__(self, cfg: HarmfulConfig | None = None):
+        super().__init__()
+        self.cfg = cfg or HarmfulConfig()
+        self.lists = {lang: read_word_list(path, f"data.quality.harmful.word_lists.{lang}")
+                      for lang, path in self.cfg.word_lists.items()}
+        self.classifier = None
+        if self.cfg.classifier_model:
+            from crawl2chat.stages.data.quality_classifier import QualityClassifier
+
+            setting = "data.quality.harmful.classifier_model"
+            model = fasttext_models.load_model(self.cfg.classifier_model, setting)
+            labels = fasttext_models.supervised_labels(model, self.cfg.classifier_model, setting)
+            if self.cfg.classifier_label not in labels:
+                raise ValueError(f"data.quality.harmful.classifier_label {self.cfg.classifier_label!r} is not a label "
+                                 f"of {self.cfg.classifier_model} (its labels: {labels[:20]})")
+            self.classifier = QualityClassifier(model, self.cfg.classifier_model, self.cfg.classifier_label)
+
+    def matches(self, text: str, lang: str | None) -> tuple[int, int] | None:
+        """(listed words and phrases found, words on the page); None when no list covers ``lang``."""
+        listed = self.lists.get(lang or "")
+        if listed is None:
+            return None
+        words, phrases = listed
+        tokens = [w.lower() for w in split_words(text)]
+        found = sum(t in words for t in tokens)
+        for phrase in phrases:
+            n = len(phrase)
+            found += sum(1 for i in range(len(tokens) - n + 1) if tuple(tokens[i:i + n]) == phrase)
+        return found, len(tokens)
+
+    def process(self, doc: Document) -> str | None:
+        text = doc.get("text") or ""
+        counted = self.matches(text, doc.get("lang"))
+        if counted is None:
+            self.stats["not_judged:no_word_list"] += 1
+        else:
+            found, total = counted
+            if found >= self.cfg.min_matches and total and found / total >= self.cfg.max_word_fraction:
+                return "word_list"
+        if self.classifier is not None and self.classifier.predict_proba([text])[0] >= self.cfg.classifier_threshold:
+            return "classifier"
+        return None
