@@ -917,6 +917,7 @@ def test_crawl_that_got_nothing_is_not_marked_done(tmp_path):
     with LocalServer([]) as server:
         dead_url = server.url + "/"
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    mlflow.set_experiment("crawl")  # not the experiment an earlier test made active in another store
     try:
         cfg = quick_config(dead_url)
         assert crawl_task.fn(cfg, str(tmp_path / "out")) == []

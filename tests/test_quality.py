@@ -352,6 +352,9 @@ def test_text_helpers():
 
 def test_disabled_blocks_are_left_out():
     cfg = QualityConfig.model_validate({"c4": {"enabled": False}, "fineweb": {"enabled": False}})
+    assert [b.name for b in build_quality_blocks(cfg)] == ["gopher_repetition", "gopher_quality", "harmful"]
+    cfg = QualityConfig.model_validate({"c4": {"enabled": False}, "fineweb": {"enabled": False},
+                                        "harmful": {"enabled": False}})
     assert [b.name for b in build_quality_blocks(cfg)] == ["gopher_repetition", "gopher_quality"]
 
 

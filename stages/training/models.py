@@ -59,10 +59,19 @@ def model_config(preset: str, vocab_size: int, seq_len: int, pad_token_id: int |
 
 
 def build_model(config, grad_checkpointing: bool = False, attn_implementation: str = "sdpa"):
-    """A freshly initialised causal LM for ``config``."""
+    """A freshly initialised causal LM for ``config``.
+
+    The class is instantiated directly rather than through ``from_config``: under
+    DeepSpeed ZeRO-3, ``from_config`` builds inside ``deepspeed.zero.Init``, whose
+    partitioned initialisation draws different weights, so the same seed would give a
+    different model with ZeRO-3 than without it (here it gives the same one)."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    config = copy.deepcopy(config)
+    config._attn_implementation = attn_implementation
+    model = AutoModelForCausalLM._model_mapping[type(config)](config)
     if grad_checkpointing:
         enable_grad_checkpointing(model)
     return model
