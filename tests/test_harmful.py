@@ -71,3 +71,19 @@ def test_a_fasttext_classifier_drops_what_it_scores_harmful(tmp_path):
 def test_a_missing_list_names_the_setting(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data\.quality\.harmful\.word_lists\.fr"):
         HarmfulContentFilter(HarmfulConfig(word_lists={"fr": str(tmp_path / "absent.txt")}))
+
+
+SHAKESPEARE = __import__("pathlib").Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="shared Tiny Shakespeare not present")
+def test_the_shipped_list_leaves_ordinary_text_alone():
+    """Shakespeare in 40-line pages (murder, gods, virgins and all) and the words of the
+    Python documentation the original list matched: nothing is dropped."""
+    lines = SHAKESPEARE.read_text().splitlines()
+    pages = [{"text": "\n".join(lines[i:i + 40]), "lang": "en"} for i in range(0, len(lines), 40)]
+    assert len(pages) > 900
+    drops = [d for d in run(HarmfulContentFilter(HarmfulConfig()), pages) if d]
+    assert len(drops) <= 2, drops  # a handful of bawdy scenes at most
+    docs = "Return len(x). Strip the string, kill the process, a dummy slave connection, foobar. " * 5
+    assert run(HarmfulContentFilter(HarmfulConfig()), [{"text": docs, "lang": "en"}]) == [None]
