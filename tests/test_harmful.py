@@ -84,6 +84,6 @@ def test_the_shipped_list_leaves_ordinary_text_alone():
     pages = [{"text": "\n".join(lines[i:i + 40]), "lang": "en"} for i in range(0, len(lines), 40)]
     assert len(pages) > 900
     drops = [d for d in run(HarmfulContentFilter(HarmfulConfig()), pages) if d]
-    assert len(drops) <= 2, drops  # a handful of bawdy scenes at most
+    assert drops == [], drops
     docs = "Return len(x). Strip the string, kill the process, a dummy slave connection, foobar. " * 5
     assert run(HarmfulContentFilter(HarmfulConfig()), [{"text": docs, "lang": "en"}]) == [None]
