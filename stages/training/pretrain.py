@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 
 from crawl2chat.stages.training.models import build_model, flops_per_token, model_config, num_params
 from crawl2chat.stages.training.packing import INDEX, load_documents, load_index, open_tokens, pack_shards

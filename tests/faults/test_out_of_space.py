@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from prefect.states import Failed
