@@ -32,14 +32,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 
 from crawl2chat.stages.training.heldout import read_split
 from crawl2chat.stages.training.models import build_model, flops_per_token, model_config, num_params
 from crawl2chat.stages.training.packing import INDEX, load_index, pack_shards
 from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss
 from crawl2chat.stages.training.settings import DistillConfig
-from crawl2chat.stages.training.stage import finished_summary, resolve, run_script, save_model, stage_parser
+from crawl2chat.stages.training.stage import (finished_summary, resolve, run_script, save_model, stage_parser,
+                                              write_settings)
 from crawl2chat.stages.training.tokenizer import load_tokenizer
 from crawl2chat.stages.training.trainer import Trainer, make_accelerator
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     teacher = load_teacher(teacher_dir, cfg, probe.device)
     if probe.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        write_settings(cfg, out)
         prepare_data(cfg, teacher_dir, args.data, out)  # already done when prepare_on_host ran
     probe.wait_for_everyone()
     data_dir = out / "data"
