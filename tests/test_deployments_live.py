@@ -9,7 +9,9 @@ The ``data-refresh`` deployment runs twice on a small crawl of the embedded
 documentation site: the first run builds dataset version v0001, the second adds
 v0002 on top of it without rewriting v0001. Both flow runs are recorded in an
 MLflow SQLite store that the worker is given through ``MLFLOW_TRACKING_URI``, with
-the version lineage on the runs. Every process the services started (the worker's
+the version lineage on the runs. The ``pretrain`` deployment then trains a tiny
+base model on that dataset, its MLflow run linked to the version and the run that
+wrote it. Every process the services started (the worker's
 flow-run processes and their Ray included) has exited once the worker is stopped.
 """
 
@@ -37,6 +39,7 @@ from live_services import (
 )
 
 from crawl2chat.flows.deployments import REFRESH_CRON, WORK_POOL
+from crawl2chat.infra.lineage import INPUT_PREFIX
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -91,7 +94,7 @@ def deployed(tmp_path_factory):
         kill_pids(wait_no_tagged_processes(TAG, tag, timeout=10))
 
 
-def form_values(deployment: dict, **changes) -> dict:
+def form_values(deployment: dict, changes: dict) -> dict:
     """The values of the UI's run form: each parameter's schema default, the deployment's
     own parameters over them, then ``changes`` (dotted paths; each must be a field the
     form shows, so a renamed setting fails here instead of being sent and refused)."""
@@ -125,7 +128,7 @@ def run_deployment(api: str, deployment: dict, parameters: dict, logs: Path, tim
     return run
 
 
-def test_data_refresh_deployment_run_from_the_ui_form(deployed):
+def test_deployments_run_from_the_ui_form(deployed):
     api, tmp = deployed.api, deployed.tmp
 
     # Every deployment of prefect.yaml is on the server, in the work pool, with its flow's form.
@@ -143,8 +146,8 @@ def test_data_refresh_deployment_run_from_the_ui_form(deployed):
     assert refresh["enforce_parameter_schema"]  # the server checks the form's values against the schema
 
     home, out = tmp / "home", tmp / "data"
-    parameters = form_values(refresh, **{"config.home": str(home), "config.data.out": str(out),
-                                         "config.data.crawl.max_pages": 20})
+    parameters = form_values(refresh, {"config.home": str(home), "config.data.out": str(out),
+                                       "config.data.crawl.max_pages": 20})
     assert parameters["refresh"] is True and parameters["config"]["tracking"]["uri"] is None
     runs = []
     for expected in ("v0001", "v0002"):
@@ -184,6 +187,23 @@ def test_data_refresh_deployment_run_from_the_ui_form(deployed):
         # The version folder names the run that wrote it: a training run reading it links there.
         recorded = json.loads((out / "versions" / version / "mlflow_run.json").read_text())
         assert recorded["run_id"] == write.info.run_id
+
+    # The `pretrain` deployment trains a tiny base model on that dataset from the same form:
+    # `accelerate launch` under the worker's flow run, its run linked to the version it read.
+    pretrain = on_server["pretrain"]
+    tiny = {"preset": "tiny", "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4, "max_steps": 6,
+            "warmup_steps": 1, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 6, "val_fraction": 0.2}
+    parameters = form_values(pretrain, {"data": str(out), "config.home": str(home),
+                                        "config.pretrain.out": str(tmp / "pretrain"),
+                                        **{f"config.pretrain.train.{k}": v for k, v in tiny.items()}})
+    run_deployment(api, pretrain, parameters, deployed.logs)
+    assert (tmp / "pretrain" / "model" / "config.json").is_file()
+    trained = client.search_runs([experiment.experiment_id], "tags.`crawl2chat.stage` = 'pretrain'")
+    assert len(trained) == 1 and trained[0].info.status == "FINISHED"
+    tags = trained[0].data.tags
+    assert tags["crawl2chat.data_version"] == "v0002" and tags["crawl2chat.data_digest"] == manifest["content_digest"]
+    assert tags[f"{INPUT_PREFIX}data"] == writes["v0002"].info.run_id
+    assert client.get_metric_history(trained[0].info.run_id, "loss")
 
     # Stopping the worker leaves no process behind (flow-run processes and their Ray included).
     assert deployed.stop_worker() == []
