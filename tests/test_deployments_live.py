@@ -44,7 +44,7 @@ from crawl2chat.infra.lineage import INPUT_PREFIX
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
-TAG = "CRAWL2CHAT_LIVE_DEPLOYMENTS"  # marker variable of every process this module starts
+TAG = "CRAWL2CHAT_LIVE_DEPLOYMENTS"  # marker variable of the worker and every process it starts
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
