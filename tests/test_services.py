@@ -14,7 +14,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,35 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 180.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
-
-
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
+from live_services import BIN, free_port, signal_group, wait_http
 
 def wait_nodes(env: dict, address: str, count: int, timeout: float = 240.0) -> None:
     probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "

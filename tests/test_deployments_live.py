@@ -1,0 +1,209 @@
+"""The deployments the way a user runs them: ``prefect server start`` on 127.0.0.1, a
+process work pool, ``prefect deploy --all`` from the repository's ``prefect.yaml``, a
+``prefect worker start`` process, and flow runs started through the REST call the
+Prefect UI's "Run" form makes (``POST /api/deployments/{id}/create_flow_run``) with
+the form's values: the deployment's parameter schema defaults and its own
+parameters, with only the sizes and the folders changed.
+
+The ``data-refresh`` deployment runs twice on a small crawl of the embedded
+documentation site: the first run builds dataset version v0001, the second adds
+v0002 on top of it without rewriting v0001. Both flow runs are recorded in an
+MLflow SQLite store that the worker is given through ``MLFLOW_TRACKING_URI``, with
+the version lineage on the runs. The ``pretrain`` deployment then trains a tiny
+base model on that dataset, its MLflow run linked to the version and the run that
+wrote it. Every process the services started (the worker's
+flow-run processes and their Ray included) has exited once the worker is stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from live_services import (
+    api_call,
+    kill_pids,
+    prefect_command,
+    start_prefect_server,
+    start_service,
+    stop_group,
+    wait_no_tagged_processes,
+)
+
+from crawl2chat.flows.deployments import REFRESH_CRON, WORK_POOL
+from crawl2chat.infra.lineage import INPUT_PREFIX
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+TAG = "CRAWL2CHAT_LIVE_DEPLOYMENTS"  # marker variable of the worker and every process it starts
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """A Prefect server with every deployment of prefect.yaml and a worker polling their pool."""
+    tmp = tmp_path_factory.mktemp("deployments").resolve()
+    logs = tmp / "logs"
+    logs.mkdir()
+    (tmp / "prefect-home").mkdir()
+    tag = secrets.token_hex(8)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
+    env.update({"PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "DO_NOT_TRACK": "1",
+                # The daily schedule is stored and shown, but no run is created from it: a test
+                # crossing 03:00 UTC must not start a full-size refresh.
+                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
+    server, api = start_prefect_server(env, logs, cwd=tmp)
+    worker = None
+    try:
+        # The README's steps, with the checkout that prefect.yaml's pull step changes into.
+        env.update(PREFECT_API_URL=api, CRAWL2CHAT_WORKDIR=str(ROOT))
+
+        def prefect(*args: str) -> None:
+            proc = subprocess.run(prefect_command(*args), env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode == 0, f"prefect {' '.join(args)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+
+        prefect("work-pool", "create", WORK_POOL["name"], "--type", "process")
+        tracking_uri = f"sqlite:///{tmp / 'mlflow.db'}"
+        worker_env = dict(env, MLFLOW_TRACKING_URI=tracking_uri, PREFECT_WORKER_QUERY_SECONDS="2", **{TAG: tag})
+        # The worker starts while the deployments are created, as in a second terminal.
+        worker = start_service(prefect_command("worker", "start", "--pool", WORK_POOL["name"]), worker_env,
+                               logs / "worker.log", cwd=tmp)
+        prefect("--no-prompt", "deploy", "--all")
+
+        def stop_worker() -> list[int]:
+            """Stop the worker's process group; returns the pids of processes left behind."""
+            stop_group(worker)
+            return wait_no_tagged_processes(TAG, tag)
+
+        yield SimpleNamespace(api=api, tmp=tmp, logs=logs, tracking_uri=tracking_uri, stop_worker=stop_worker)
+    finally:
+        if worker is not None:
+            stop_group(worker)
+        stop_group(server)
+        kill_pids(wait_no_tagged_processes(TAG, tag, timeout=10))
+
+
+def form_values(deployment: dict, changes: dict) -> dict:
+    """The values of the UI's run form: each parameter's schema default, the deployment's
+    own parameters over them, then ``changes`` (dotted paths; each must be a field the
+    form shows, so a renamed setting fails here instead of being sent and refused)."""
+    schema = deployment["parameter_openapi_schema"]
+    values = {name: copy.deepcopy(deployment["parameters"].get(name, prop.get("default")))
+              for name, prop in schema["properties"].items()}
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = values
+        for key in parents:
+            node = node[key]
+        assert leaf in node, f"{dotted} is not a field of the form"
+        node[leaf] = value
+    return values
+
+
+def run_deployment(api: str, deployment: dict, parameters: dict, logs: Path, timeout: float = 600.0) -> dict:
+    """Start a flow run of the deployment as the UI does and wait for it to end."""
+    run = api_call(api, "POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": parameters})
+    deadline = time.time() + timeout
+    while True:
+        run = api_call(api, "GET", f"/flow_runs/{run['id']}")
+        if run["state_type"] in FINAL or time.time() > deadline:
+            break
+        time.sleep(2)
+    if run["state_type"] != "COMPLETED":
+        lines = api_call(api, "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200})
+        log = "\n".join(line["message"] for line in lines)[-4000:]
+        worker = (logs / "worker.log").read_text(errors="replace")[-3000:]
+        raise AssertionError(f"flow run {run['name']}: {run['state_type']} {run['state']['message']}\n{log}\n{worker}")
+    return run
+
+
+def test_deployments_run_from_the_ui_form(deployed):
+    api, tmp = deployed.api, deployed.tmp
+
+    # Every deployment of prefect.yaml is on the server, in the work pool, with its flow's form.
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    on_server = {d["name"]: d for d in api_call(api, "POST", "/deployments/filter", {})}
+    assert set(on_server) == {d["name"] for d in spec["deployments"]}
+    assert {d["work_pool_name"] for d in on_server.values()} == {WORK_POOL["name"]}
+    assert all("config" in d["parameter_openapi_schema"]["properties"] for d in on_server.values())
+
+    refresh = api_call(api, "GET", "/deployments/name/data/data-refresh")
+    # The daily schedule, as the deployment page shows it.
+    schedules = [s for s in refresh["schedules"] if s["active"]]
+    assert [(s["schedule"]["cron"], s["schedule"]["timezone"]) for s in schedules] == [(REFRESH_CRON, "UTC")]
+    assert refresh["parameters"] == {"refresh": True}
+    assert refresh["enforce_parameter_schema"]  # the server checks the form's values against the schema
+
+    home, out = tmp / "home", tmp / "data"
+    parameters = form_values(refresh, {"config.home": str(home), "config.data.out": str(out),
+                                       "config.data.crawl.max_pages": 20})
+    assert parameters["refresh"] is True and parameters["config"]["tracking"]["uri"] is None
+    runs = []
+    for expected in ("v0001", "v0002"):
+        runs.append(run_deployment(api, refresh, parameters, deployed.logs))
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["version"] == expected, manifest["version"]
+        if expected == "v0001":
+            first = (out / "versions" / "v0001" / "manifest.json").read_bytes()
+            assert manifest["documents_kept"] > 0
+    for run in runs:
+        assert run["deployment_id"] == refresh["id"] and run["parameters"] == parameters
+
+    # The second version lists the first as its base and leaves its files as they were.
+    assert sorted(p.name for p in (out / "versions").iterdir()) == ["v0001", "v0002"]
+    assert manifest["base_version"] == "v0001" and manifest["refresh"] is True
+    assert manifest["versions"] == ["v0001", "v0002"]
+    assert (out / "versions" / "v0001" / "manifest.json").read_bytes() == first
+    for shard in manifest["shards"]:
+        assert (out / shard["path"]).is_file()
+
+    # MLflow: the worker's tracking URI took effect (nothing in the embedded store under home).
+    assert not (home / "mlflow.db").exists()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(deployed.tracking_uri)
+    experiment = client.get_experiment_by_name("crawl2chat")
+    assert experiment is not None
+    found = client.search_runs([experiment.experiment_id])
+    parents = [r for r in found if r.data.tags.get("crawl2chat.pipeline") == "data"]
+    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in parents)
+    writes = {r.data.tags["crawl2chat.data_version"]: r for r in found if r.data.tags.get("crawl2chat.stage") == "write"}
+    assert set(writes) == {"v0001", "v0002"}
+    assert writes["v0002"].data.tags["crawl2chat.data_base_version"] == "v0001"
+    assert writes["v0002"].data.tags["crawl2chat.data_digest"] == manifest["content_digest"]
+    assert {w.data.tags["mlflow.parentRunId"] for w in writes.values()} == {r.info.run_id for r in parents}
+    for version, write in writes.items():
+        # The version folder names the run that wrote it: a training run reading it links there.
+        recorded = json.loads((out / "versions" / version / "mlflow_run.json").read_text())
+        assert recorded["run_id"] == write.info.run_id
+
+    # The `pretrain` deployment trains a tiny base model on that dataset from the same form:
+    # `accelerate launch` under the worker's flow run, its run linked to the version it read.
+    pretrain = on_server["pretrain"]
+    tiny = {"preset": "tiny", "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4, "max_steps": 6,
+            "warmup_steps": 1, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 6, "val_fraction": 0.2}
+    parameters = form_values(pretrain, {"data": str(out), "config.home": str(home),
+                                        "config.pretrain.out": str(tmp / "pretrain"),
+                                        **{f"config.pretrain.train.{k}": v for k, v in tiny.items()}})
+    run_deployment(api, pretrain, parameters, deployed.logs)
+    assert (tmp / "pretrain" / "model" / "config.json").is_file()
+    trained = client.search_runs([experiment.experiment_id], "tags.`crawl2chat.stage` = 'pretrain'")
+    assert len(trained) == 1 and trained[0].info.status == "FINISHED"
+    tags = trained[0].data.tags
+    assert tags["crawl2chat.data_version"] == "v0002" and tags["crawl2chat.data_digest"] == manifest["content_digest"]
+    assert tags[f"{INPUT_PREFIX}data"] == writes["v0002"].info.run_id
+    assert client.get_metric_history(trained[0].info.run_id, "loss")
+
+    # Stopping the worker leaves no process behind (flow-run processes and their Ray included).
+    assert deployed.stop_worker() == []
