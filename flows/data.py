@@ -1,5 +1,5 @@
 """The data flow: crawl or read WARC/WET -> extract -> langid -> quality -> dedup
--> balance -> shards, rejected/, manifest.json -> review sample.
+-> balance -> (augment) -> shards, rejected/, manifest.json -> review sample.
 
 Each step is a Prefect task running a Ray Data job and recorded as an MLflow child
 run under one parent run. Steps whose inputs and settings are unchanged are
@@ -20,7 +20,10 @@ from crawl2chat.tasks import data as t
 
 def build_settings(data) -> dict:
     """The data settings that shape a version's content (not where it is written)."""
-    return data.model_dump(mode="json", exclude={"out", "inputs", "seed_urls", "refresh", "crawl", "review"})
+    exclude = {"out", "inputs", "seed_urls", "refresh", "crawl", "review"}
+    if not data.augment.enabled:  # augmentation off: versions built before it existed stay up to date
+        exclude.add("augment")
+    return data.model_dump(mode="json", exclude=exclude)
 
 
 def with_refresh(config: Config, refresh: bool) -> Config:
@@ -69,10 +72,10 @@ def _build(config: Config, out: str) -> dict:
     filtered = t.quality_task(identified, work, data.quality)
     deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards)
     balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"))
-    manifest = t.write_task(
-        [extracted, identified, filtered, deduped, balanced], out, data.shard_bytes, config.model_dump(mode="json"),
-        plan,
-    )
+    results = [extracted, identified, filtered, deduped, balanced]
+    if data.augment.enabled:
+        results.append(t.augment_task(balanced, work, data.augment))
+    manifest = t.write_task(results, out, data.shard_bytes, config.model_dump(mode="json"), plan)
     t.review_task(out, data.review)
     return manifest
 

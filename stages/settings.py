@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from crawl2chat.stages.data.settings import (BalanceConfig, CrawlConfig, DedupConfig, ExtractConfig, LangIdConfig,
+from crawl2chat.stages.data.settings import (AugmentConfig, BalanceConfig, CrawlConfig, DedupConfig, ExtractConfig, LangIdConfig,
                                              QualityConfig, ReviewConfig)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.settings import DPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig
@@ -171,6 +171,8 @@ class DataConfig(BaseModel):
     quality: QualityConfig = Field(default_factory=QualityConfig)
     dedup: DedupConfig = Field(default_factory=DedupConfig)
     balance: BalanceConfig = Field(default_factory=BalanceConfig)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig, description="Augmented copies of kept documents "
+                                   "(noise, synonyms, back-translation); off by default.")
     review: ReviewConfig = Field(default_factory=ReviewConfig)
 
     @field_validator("out")

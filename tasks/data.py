@@ -41,6 +41,7 @@ STEP_GOALS = {
     "quality": "Drop low-quality pages with the Gopher, C4 and FineWeb rules (and the classifier when on).",
     "dedup": "Remove exact and near duplicates (MinHash LSH, connected components on Ray).",
     "balance": "Weight languages (or sources) by w = freq^alpha / size^beta.",
+    "augment": "Add augmented copies of kept documents (noise, synonyms, back-translation) as new rows.",
 }
 
 
@@ -232,6 +233,20 @@ def balance_task(upstream: StepResult, work_dir: str, cfg: Any, prior: dict | No
     return _recorded_step("balance", {"balance": cfg.model_dump()},
                           lambda: steps.balance_step(upstream, work_dir, cfg, prior),
                           lambda result: mlflow.log_dict(result.extra, "balance.json"))
+
+
+@_step_task("augment")
+def augment_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    def log_added(result: StepResult) -> None:
+        mlflow.log_metrics({"documents_added": float(result.extra.get("documents_added", 0)),
+                            "source_documents": float(result.extra.get("source_documents", 0)),
+                            **{f"added.{metric_name(m)}": float(n)
+                               for m, n in (result.extra.get("augmented") or {}).items()}})
+        print(f"[data] augment  added {result.extra.get('documents_added', 0)} rows "
+              f"{result.extra.get('augmented') or {}}", flush=True)
+
+    return _recorded_step("augment", {"augment": cfg.model_dump()},
+                          lambda: steps.augment_step(upstream, work_dir, cfg), log_added)
 
 
 def list_inputs(inputs: Sequence[str]) -> list[str]:

@@ -11,7 +11,8 @@ folder's files match the sizes and sha256 listed in its ``checksums.json``; a
 step folder damaged since it was written is named and run again.
 
 The steps: ``extract`` (WARC/WET files -> text documents), ``langid``,
-``quality``, ``dedup``, then :func:`write_dataset` (balance, bounded zstd shards,
+``quality``, ``dedup``, ``balance``, the optional ``augment`` (new rows: augmented
+copies of the kept documents), then :func:`write_dataset` (bounded zstd shards,
 quarantine of every dropped document, manifest) and :func:`write_review`.
 """
 
@@ -58,7 +59,7 @@ MARKER = "_SUCCESS.json"
 FILE_STATUS = "_file"  # record_type of the one status row each input file gets
 SHARD_COLUMNS = (
     "id", "url", "text", "lang", "lang_score", "quality_score", "source", "host",
-    "content_type", "fetched_at", "dup_cluster", "sample_weight",
+    "content_type", "fetched_at", "dup_cluster", "sample_weight", "augmented_from", "augment_method",
 )
 
 
@@ -466,6 +467,51 @@ def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str,
     return run_step("balance", work_dir, fp, build)
 
 
+def augment_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+    """Add augmented copies of the upstream's kept documents (:mod:`~crawl2chat.stages.data.augment`).
+
+    Runs after dedup and balance, so the copies are neither deduplicated against
+    their sources nor counted in the language weights; each copy carries its
+    source's ``sample_weight``. The step folder holds the upstream's kept rows
+    followed, batch by batch, by the new ones; its record counts the rows added
+    per method (``extra["augmented"]``). Settings that cannot work (a missing or
+    malformed word list, a model folder without ``config.json``) are refused
+    before any work, naming the setting."""
+    from crawl2chat.stages.data.augment import AugmentBatch, prepare
+
+    cfg, identity = prepare(cfg)
+    fp = fingerprint("augment", upstream.fingerprint, cfg.model_dump(), *identity)
+
+    def build(tmp: str) -> dict[str, Any]:
+        if upstream.kept == 0:
+            return {"augmented": {}, "documents_added": 0, "source_documents": 0}
+        files = sorted(Path(upstream.out_dir).glob("*.parquet"))
+        names = pq.ParquetFile(files[0]).schema_arrow.names
+        # One worker: back-translation models are loaded once; the other methods are cheap.
+        ds = read_kept(upstream.out_dir).map_batches(
+            AugmentBatch, fn_constructor_args=(cfg, names), batch_format="pyarrow",
+            batch_size=cfg.back_translation.batch_size * 4 if cfg.back_translation.enabled else 256,
+            compute=ray.data.ActorPoolStrategy(size=1),
+        )
+        _write(ds, tmp)
+        written = sorted(Path(tmp).glob("*.parquet"))
+        table = pq.read_table(written, columns=["augmented_from", "augment_method"]) if written else None
+        methods = Counter(m for m in (table["augment_method"].to_pylist() if table else []) if m)
+        sources = len({s for s in (table["augmented_from"].to_pylist() if table else []) if s})
+        return {"augmented": dict(sorted(methods.items())), "documents_added": sum(methods.values()),
+                "source_documents": sources, "methods": cfg.methods()}
+
+    return run_step("augment", work_dir, fp, build)
+
+
+def _with_shard_columns(batch: pa.Table) -> pa.Table:
+    """The shard columns, those a step did not write (augment's, when it did not run) as nulls."""
+    columns = {}
+    for name in SHARD_COLUMNS:
+        columns[name] = batch[name] if name in batch.column_names else pa.nulls(batch.num_rows, pa.string())
+    return pa.table(columns)
+
+
 def _rename_in_order(folder: Path, prefix: str) -> list[Path]:
     parts = sorted(folder.glob("*.parquet"))
     named = []
@@ -502,7 +548,7 @@ def write_dataset(
     try:
         if last.kept:
             n_shards = max(1, -(-last.bytes_in // max(shard_bytes, 1)))
-            ds = read_kept(last.out_dir).select_columns(list(SHARD_COLUMNS))
+            ds = read_kept(last.out_dir).map_batches(_with_shard_columns, batch_format="pyarrow")
             ds.repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
         new_shards = _rename_in_order(tmp / "shards", f"{version}-shard")
 
@@ -541,6 +587,7 @@ def write_dataset(
             drops.update(s.dropped)
         files = next((s.extra.get("files") for s in steps if s.name == "extract"), []) or []
         balance = next((s.extra for s in steps if s.name == "balance"), {})
+        augment = next((s.extra for s in steps if s.name == "augment"), None)
         manifest = {
             "version": version,
             "base_version": base.get("version"),
@@ -561,6 +608,11 @@ def write_dataset(
             "rejected": list(base.get("rejected", [])) + [f"rejected/{p.name}" for p in new_rejected],
             "dedup_indexes": indexes,
             "balance_groups": {"docs": balance.get("groups", {}), "sizes": balance.get("group_sizes", {})},
+            "augmented": (
+                {"version_documents_added": augment.get("documents_added", 0),
+                 "by_method": augment.get("augmented", {}), "source_documents": augment.get("source_documents", 0)}
+                if augment is not None else None
+            ),
             "content_digest": content_digest(shards),
             "build_fingerprint": plan.fingerprint,
             "config": mask_secrets(config),

@@ -602,6 +602,111 @@ class BalanceConfig(BaseModel):
     seed: int = Field(0, description="Seed of the per-document keep decision.")
 
 
+# ---------------------------------------------------------------- augment
+
+class NoiseAugmentConfig(BaseModel):
+    """Noise injection: each rate is the chance that one unit (a character or a word) is hit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Write a noisy copy of each augmented document (augment_method 'noise').")
+    char_drop_rate: float = Field(0.02, ge=0, le=1, description="Chance that a non-space character is deleted.")
+    char_swap_rate: float = Field(0.02, ge=0, le=1, description="Chance that a character is swapped with the next one "
+                                  "of its word.")
+    word_drop_rate: float = Field(0.05, ge=0, le=1, description="Chance that a word is deleted (a line keeps one word).")
+    word_swap_rate: float = Field(0.05, ge=0, le=1, description="Chance that a word is swapped with the next one "
+                                  "of its line.")
+
+    @model_validator(mode="after")
+    def _some_noise(self) -> "NoiseAugmentConfig":
+        if self.enabled and not (self.char_drop_rate or self.char_swap_rate or self.word_drop_rate
+                                 or self.word_swap_rate):
+            raise ValueError("noise is enabled but every rate is 0; set a rate above 0 or disable it")
+        return self
+
+
+class SynonymAugmentConfig(BaseModel):
+    """Synonym replacement from a word list the user supplies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Write a copy with words replaced by synonyms (augment_method 'synonym').")
+    word_list: str | None = Field(
+        None,
+        description="UTF-8 text file, one entry a line: `word<TAB>synonym1,synonym2,...` (a synonym may hold "
+        "spaces; blank lines and lines starting with '#' are ignored). Words match case-insensitively; a "
+        "replacement takes the capitalisation of the word's first letter. Required when enabled.",
+    )
+    rate: float = Field(0.2, gt=0, le=1, description="Chance that a word found in the list is replaced.")
+
+    @model_validator(mode="after")
+    def _needs_list(self) -> "SynonymAugmentConfig":
+        if self.enabled and not self.word_list:
+            raise ValueError("synonym replacement is enabled but `word_list` is not set")
+        return self
+
+
+class BackTranslationAugmentConfig(BaseModel):
+    """Back-translation through two sequence-to-sequence model folders (AutoModelForSeq2SeqLM)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Write a round-trip translation of each augmented document "
+                          "(augment_method 'back_translation').")
+    forward_model: str | None = Field(None, description="Model folder translating from the documents' language "
+                                      "(AutoModelForSeq2SeqLM + its tokenizer). Required when enabled.")
+    backward_model: str | None = Field(None, description="Model folder translating back into the documents' "
+                                       "language. Required when enabled.")
+    input_prefix: str = Field("", description="Text put before every segment given to the forward model (e.g. "
+                              "'translate English to German: ').")
+    backward_prefix: str = Field("", description="Text put before every segment given to the backward model.")
+    batch_size: int = Field(16, ge=1, description="Segments (lines) translated per generate call.")
+    max_input_tokens: int = Field(128, ge=1, description="Longest segment given to a model, in its tokens "
+                                  "(longer ones are truncated).")
+    max_new_tokens: int = Field(128, ge=1, description="Longest translation a model writes, in tokens (greedy).")
+    max_segments: int = Field(64, ge=1, description="Lines of a document translated at most; its later lines "
+                              "are left out of the augmented copy.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the models run ('auto': a GPU when "
+                                                   "torch sees one).")
+
+    @model_validator(mode="after")
+    def _needs_models(self) -> "BackTranslationAugmentConfig":
+        if self.enabled and not (self.forward_model and self.backward_model):
+            raise ValueError("back-translation is enabled but `forward_model` and `backward_model` are not both set")
+        return self
+
+
+class AugmentConfig(BaseModel):
+    """Augmented copies of the kept documents, written as new rows after dedup and balance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Run the augment step (after balance); each enabled method adds rows "
+                          "with their own id, `augmented_from` and `augment_method`.")
+    fraction: float = Field(1.0, gt=0, le=1, description="Share of the kept documents augmented, chosen by a hash "
+                            "of the document id and `seed`.")
+    held_out_fraction: float | None = Field(
+        None, ge=0, lt=1,
+        description="Documents the training split will hold out (xxh64(id) / 2**64 below this, i.e. the training "
+        "stages' val_fraction) are not augmented. Whatever it is, packing never trains on the augmented copy of "
+        "a held-out document (it is split by `augmented_from` and left out).",
+    )
+    seed: int = Field(0, description="Seed of every random choice; each document's choices depend only on it, "
+                      "the method and the document id, so a rerun writes the same rows.")
+    noise: NoiseAugmentConfig = Field(default_factory=NoiseAugmentConfig)
+    synonym: SynonymAugmentConfig = Field(default_factory=SynonymAugmentConfig)
+    back_translation: BackTranslationAugmentConfig = Field(default_factory=BackTranslationAugmentConfig)
+
+    def methods(self) -> list[str]:
+        return [m for m in ("noise", "synonym", "back_translation") if getattr(self, m).enabled]
+
+    @model_validator(mode="after")
+    def _some_method(self) -> "AugmentConfig":
+        if self.enabled and not self.methods():
+            raise ValueError("augment is enabled but no method is: enable noise, synonym or back_translation")
+        return self
+
+
 # ---------------------------------------------------------------- review
 
 class ReviewConfig(BaseModel):

@@ -265,10 +265,11 @@ def iter_documents(source: str | os.PathLike, columns: Sequence[str]) -> Iterato
     for path in files:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
-        cols = [c for c in dict.fromkeys([*columns, "id", "drop_reason"]) if c in names]
+        cols = [c for c in dict.fromkeys([*columns, "id", "drop_reason", "augmented_from"]) if c in names]
         for batch in pf.iter_batches(columns=cols, batch_size=1024):
             for row in batch.to_pylist():
-                if row.get("drop_reason") or (skip and row.get("id") in skip):
+                # A superseded document's augmented copies go with it.
+                if row.get("drop_reason") or (skip and (row.get("id") in skip or row.get("augmented_from") in skip)):
                     continue
                 yield {c: row.get(c) for c in columns}
 

@@ -15,6 +15,11 @@ So whoever holds a model knows which documents it never trained on:
   job's summary) reads only held-out documents and names the split it used;
 * every later stage that reads the shards (the SFT, preference and prompt sets
   derived from the corpus) leaves the held-out documents out.
+
+An augmented row (the data stage's ``augment`` step) is split by the document it
+was made from (``augmented_from``): packing and :func:`training_rows` leave out
+the augmented copies of held-out documents, and evaluation reads original
+documents only.
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ def key_digest(key: str) -> str:
 
 
 def document_key(row: dict[str, Any]) -> str:
-    """The key a document is split by: its id, else its text (as packing does)."""
+    """The key a document is split by (as packing does): the id of the document an
+    augmented row was made from (``augmented_from``), else its id, else its text. An
+    augmented copy is thus always on its source's side of the split."""
+    if row.get("augmented_from"):
+        return str(row["augmented_from"])
     return str(row["id"]) if row.get("id") is not None else str(row.get("text") or "")
 
 
@@ -136,11 +145,11 @@ def held_out_rows(split: HeldOutSplit | None, data: str | os.PathLike, columns: 
         if split is not None and split.kind == "text_tail" and _same_file(split.source, data):
             return [{"id": None, "text": text[split.cut_chars:]}], split.name
         return [{"id": None, "text": text}], ALL
-    cols = list(dict.fromkeys([*columns, "id", "text"]))
+    cols = list(dict.fromkeys([*columns, "id", "text", "augmented_from"]))
     rows: list[dict[str, Any]] = []
     use_split = split is not None and split.kind == "id_hash"
     for row in iter_documents(data, cols):
-        if not row.get("text"):
+        if not row.get("text") or row.get("augmented_from"):  # evaluation reads original documents only
             continue
         if use_split and not split.holds_out(document_key(row)):
             continue
@@ -158,9 +167,9 @@ def training_rows(split: HeldOutSplit | None, data: str | os.PathLike,
     """The documents of a shards folder that are not held out (all of them without a split)."""
     from crawl2chat.stages.data.versions import iter_documents
 
-    cols = list(dict.fromkeys([*columns, "id", "text"]))
+    cols = list(dict.fromkeys([*columns, "id", "text", "augmented_from"]))
     use_split = split is not None and split.kind == "id_hash"
     for row in iter_documents(data, cols):
-        if use_split and split.holds_out(document_key(row)):
+        if use_split and split.holds_out(document_key(row)):  # an augmented copy goes with its source
             continue
         yield row

@@ -13,7 +13,8 @@ Output (``out_dir``):
   Training draws documents by weight from it (see
   :class:`~crawl2chat.stages.training.pretrain.TokenWindows`).
 * ``index.json`` — dtype, vocabulary size, per split the token, document and
-  UTF-8 byte counts, the held-out ``split``
+  UTF-8 byte counts, ``augmented_held_out`` (augmented rows of held-out
+  documents, left out of both splits), the held-out ``split``
   (:class:`~crawl2chat.stages.training.heldout.HeldOutSplit`) and where the
   ``weights`` come from. Bytes are what turn a validation loss in nats per
   token into bits per byte, a figure comparable across tokenizers.
@@ -105,7 +106,10 @@ class _TokenizeBatch:
 
         texts = [str(t) for t in batch["text"]]
         ids = [None if k is None else str(k) for k in batch["id"]] if "id" in batch else [None] * len(texts)
-        keys = [i if i is not None else t for i, t in zip(ids, texts)]
+        sources = ([str(s) if s else None for s in batch["augmented_from"]] if "augmented_from" in batch
+                   else [None] * len(texts))
+        # An augmented row is split by the document it was made from.
+        keys = [s if s else (i if i is not None else t) for s, i, t in zip(sources, ids, texts)]
         encs = self.tok.encode_batch(texts, add_special_tokens=False)
         tokens = [np.asarray(e.ids + [self.eos], dtype=np.int64) for e in encs]
         groups = ([str(g) if g else "unknown" for g in batch[self.group_column]] if self.group_column
@@ -121,6 +125,7 @@ class _TokenizeBatch:
             "id": np.array(["" if i is None else i for i in ids], dtype=object),
             "has_id": np.array([i is not None for i in ids]),
             "key": np.array([key_digest(k) for k in keys], dtype=object),
+            "augmented": np.array([s is not None for s in sources]),
             "group": np.array(groups, dtype=object),
             "weight": weights,
         }
@@ -164,17 +169,46 @@ def _hold_out_tail(out: Path, dtype: np.dtype, counts: dict, fraction: float) ->
     train = np.fromfile(out / "train.bin.tmp", dtype=dtype)
     train[cut:].tofile(out / "val.bin.tmp")
     train[:cut].tofile(out / "train.bin.tmp")
-    moved_bytes = sum(d.pop("n_bytes") for d in docs[cut_doc:])
-    for d in docs[:cut_doc]:
-        d.pop("n_bytes")
+    moved_bytes = sum(d["n_bytes"] for d in docs[cut_doc:])
     for d in docs[cut_doc:]:
         d["split"], d["offset"] = "val", d["offset"] - cut
-    pq.write_table(pa.Table.from_pylist(docs, schema=_documents_schema()), out / f"{DOCUMENTS}.tmp")
+    schema = _documents_schema().append(pa.field("n_bytes", pa.int64()))  # dropped by the caller
+    pq.write_table(pa.Table.from_pylist(docs, schema=schema), out / f"{DOCUMENTS}.tmp")
     counts["val"] = {"tokens": len(train) - cut, "documents": n, "bytes": moved_bytes, "held_out_tail": True}
     counts["train"]["tokens"] = cut
     counts["train"]["documents"] -= n
     counts["train"]["bytes"] -= moved_bytes
     return [d["key"] for d in docs[cut_doc:]]
+
+
+def _drop_training_copies(out: Path, dtype: np.dtype, counts: dict, moved: set[str]) -> int:
+    """After a tail hold-out: training documents split by the same key as a moved one
+    (the augmented copies of a document now held out) leave the training tokens.
+    Returns how many were removed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = pq.read_table(out / f"{DOCUMENTS}.tmp").to_pylist()
+    gone = [d for d in docs if d["split"] == "train" and d["key"] in moved]
+    if not gone:
+        return 0
+    train = np.fromfile(out / "train.bin.tmp", dtype=dtype)
+    kept, pieces, offset = [], [], 0
+    for d in docs:
+        if d["split"] == "train":
+            if d["key"] in moved:
+                counts["train"]["tokens"] -= d["tokens"]
+                counts["train"]["documents"] -= 1
+                counts["train"]["bytes"] -= d["n_bytes"]
+                continue
+            pieces.append(train[d["offset"]:d["offset"] + d["tokens"]])
+            d["offset"] = offset
+            offset += d["tokens"]
+        kept.append(d)
+    (np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)).astype(dtype).tofile(out / "train.bin.tmp")
+    schema = _documents_schema().append(pa.field("n_bytes", pa.int64()))
+    pq.write_table(pa.Table.from_pylist(kept, schema=schema), out / f"{DOCUMENTS}.tmp")
+    return len(gone)
 
 
 def pack_shards(
@@ -212,6 +246,7 @@ def pack_shards(
         counts[split]["documents"] += n_docs
         counts[split]["bytes"] += n_bytes
 
+    augmented_held_out = 0
     cut_chars, weights = None, {"origin": "none: a text file is one document", "by": None, "balance_mode": None}
     try:
         if is_text_file(source):
@@ -230,6 +265,9 @@ def pack_shards(
                                        weights["by"], weights["origin"] == "sample_weight"):
                 rows = {c: [] for c in schema.names}
                 for i, (toks, val, nb) in enumerate(zip(batch["tokens"], batch["val"], batch["n_bytes"])):
+                    if val and batch["augmented"][i]:
+                        augmented_held_out += 1  # the copy of a held-out document: neither trained nor evaluated on
+                        continue
                     split = "val" if val else "train"
                     rows["id"].append(str(batch["id"][i]) if batch["has_id"][i] else None)
                     rows["key"].append(str(batch["key"][i]))
@@ -248,8 +286,8 @@ def pack_shards(
     tail_keys: list[str] = []
     if counts["val"]["tokens"] == 0 and counts["train"]["documents"] > 1:
         tail_keys = _hold_out_tail(out, dtype, counts, max(val_fraction, 0.05))
-    else:
-        pq.write_table(pq.read_table(out / f"{DOCUMENTS}.tmp").drop(["n_bytes"]), out / f"{DOCUMENTS}.tmp")
+        augmented_held_out += _drop_training_copies(out, dtype, counts, set(tail_keys))
+    pq.write_table(pq.read_table(out / f"{DOCUMENTS}.tmp").drop(["n_bytes"]), out / f"{DOCUMENTS}.tmp")
     for s in files:
         os.replace(out / f"{s}.bin.tmp", out / f"{s}.bin")
     os.replace(out / f"{DOCUMENTS}.tmp", out / DOCUMENTS)
@@ -270,6 +308,7 @@ def pack_shards(
         "split": split.to_dict(),
         "weights": weights,
         "documents_file": DOCUMENTS,
+        "augmented_held_out": augmented_held_out,
         **counts,
     }
     tmp = out / f".{INDEX}.tmp"
@@ -291,7 +330,9 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
     ctx.enable_progress_bars = False
 
     names = pq.ParquetFile(files[0]).schema_arrow.names
-    wanted = ["id", "text", "drop_reason", group_column, "sample_weight" if use_weights else None]
+    if any("augmented_from" in pq.ParquetFile(f).schema_arrow.names for f in files):
+        names = [*names, "augmented_from"]
+    wanted = ["id", "text", "drop_reason", group_column, "sample_weight" if use_weights else None, "augmented_from"]
     columns = [c for c in dict.fromkeys(wanted) if c and c in names]
     ds = ray.data.read_parquet([str(f) for f in files]).select_columns(columns)
     from ray.data.expressions import col
@@ -301,6 +342,8 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
         ds = ds.filter(expr=col("drop_reason").is_null() | (col("drop_reason") == ""))
     if superseded:
         ds = ds.filter(expr=col("id").not_in(sorted(superseded)))
+        if "augmented_from" in columns:  # a superseded document's augmented copies go with it
+            ds = ds.filter(expr=col("augmented_from").is_null() | col("augmented_from").not_in(sorted(superseded)))
     ds = ds.filter(expr=col("text").is_not_null() & (col("text") != ""))
     ds = ds.map_batches(
         _TokenizeBatch,
