@@ -186,9 +186,9 @@ class DataConfig(BaseModel):
 
 def _demo_pretrain() -> PretrainConfig:
     # Sized for the embedded default: ~5 MB of documentation text (~1.5M tokens) and a
-    # 2-core laptop: a 1.4M-parameter model sees ~1.3M tokens (320 steps of 16 x 256) in
-    # about 4 minutes at ~5.5k tokens/s, so the whole `crawl2chat run` fits in 10.
-    return PretrainConfig(preset="cpu-small", vocab_size=4096, seq_len=256, micro_batch_size=16, max_steps=320,
+    # 2-core laptop: a 1.4M-parameter model sees ~1.6M tokens (400 steps of 16 x 256) in
+    # about 3.5 minutes at ~7.7k tokens/s, so the whole `crawl2chat run` fits in 10.
+    return PretrainConfig(preset="cpu-small", vocab_size=4096, seq_len=256, micro_batch_size=16, max_steps=400,
                           warmup_steps=40, eval_every=100, eval_batches=20,
                           checkpoint_every=100, val_fraction=0.05)
 
@@ -224,14 +224,14 @@ class SFTStage(TrainStage):
     out: str = "runs/sft"
     registered_name: str | None = STAGES["sft"].registered_name
     data: str | None = Field(None, description="SFT data (JSONL/Parquet); None: derived from the data stage's shards.")
-    train: SFTConfig = Field(default_factory=_demo(SFTConfig, max_steps=80, lr=1e-3, min_lr=1e-4))
+    train: SFTConfig = Field(default_factory=_demo(SFTConfig, max_steps=120, lr=1e-3, min_lr=1e-4))
 
 
 class RewardStage(TrainStage):
     out: str = "runs/reward"
     registered_name: str | None = STAGES["reward"].registered_name
     data: str | None = Field(None, description="Preference pairs; None: derived from the data stage's shards.")
-    train: RewardConfig = Field(default_factory=_demo(RewardConfig, max_steps=60, lr=1e-3, min_lr=1e-4))
+    train: RewardConfig = Field(default_factory=_demo(RewardConfig, max_steps=120, lr=1e-3, min_lr=1e-4))
 
 
 class PPOStage(TrainStage):
@@ -239,7 +239,7 @@ class PPOStage(TrainStage):
     registered_name: str | None = STAGES["ppo"].registered_name
     prompts: str | None = Field(None, description="Prompts for rollouts; None: derived from the data stage's shards.")
     train: PPOConfig = Field(default_factory=lambda: PPOConfig(
-        max_steps=12, rollout_batch_size=8, micro_batch_size=8, ppo_epochs=2, max_prompt_len=96, max_new_tokens=24,
+        max_steps=16, rollout_batch_size=8, micro_batch_size=8, ppo_epochs=2, max_prompt_len=96, max_new_tokens=24,
         lr=1e-4))
 
 

@@ -484,8 +484,8 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
       ``"Continue: <first sentence>"`` -> the following text, and ``"Summarise the
       page titled ..."`` (when a ``title`` column exists) -> the page's opening.
     * Preferences: the same prompts, chosen = the real answer, rejected = the answer
-      to another question (for reference pages) or a shuffled-word, truncated or
-      repeated corruption of it.
+      to another question (half of the reference questions) or a shuffled-word,
+      truncated or repeated corruption of it.
     * Prompts (for PPO): prompts of pages not used above.
 
     ``split`` (a :class:`~crawl2chat.stages.training.heldout.HeldOutSplit`, the
@@ -553,9 +553,12 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             f.write(json.dumps({"prompt": p, "response": r, "source_id": i}) + "\n")
     with open(paths["preference"], "w", encoding="utf-8") as f:
         for j, (p, r, i) in enumerate(pref):
-            # A reference question's wrong answer is another question's right one.
+            # A reference question's wrong answer is, for every other pair, another
+            # question's right one (the reward model learns what answers what), else a
+            # shuffled, truncated or repeated copy of its own (it learns fluency, which
+            # is what a small policy loses first).
             other = pref[(j + 1 + rng.randrange(max(1, len(pref) - 1))) % len(pref)][1]
-            bad = other if p.startswith("What ") and other != r else _corrupt(r, rng)
+            bad = other if p.startswith("What ") and other != r and j % 2 == 0 else _corrupt(r, rng)
             if bad != r:
                 f.write(json.dumps({"prompt": p, "chosen": r, "rejected": bad, "source_id": i}) + "\n")
     with open(paths["prompts"], "w", encoding="utf-8") as f:
