@@ -32,8 +32,10 @@ class MetricsFollower:
     SKIP = {"step", "time", "batch_index", "world_size"}  # numbers that are coordinates, not metrics
     BATCH = 900  # MLflow's log_batch takes at most 1000 metrics
 
-    def __init__(self, path: Path, run_id: str, client: mlflow.MlflowClient | None = None, interval: float = 1.0):
+    def __init__(self, path: Path, run_id: str, client: mlflow.MlflowClient | None = None, interval: float = 1.0,
+                 on_step=None):
         self.path = Path(path)
+        self.on_step = on_step  # called with each step row (e.g. an infra.progress.StepProgress)
         self.run_id = run_id
         self.client = client or mlflow.MlflowClient()
         self.interval = interval
@@ -73,6 +75,11 @@ class MetricsFollower:
             if row.get("type") == "event":
                 self.events.append(row)
                 continue
+            if row.get("type") == "step" and self.on_step is not None:
+                try:
+                    self.on_step(row)
+                except Exception:  # noqa: BLE001 - a display problem never stops tracking
+                    self.on_step = None
             step = row.get("step", 0)
             step = int(step) if isinstance(step, (int, float)) and math.isfinite(step) else 0
             t = row.get("time")

@@ -25,6 +25,7 @@ from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streami
 from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.run_folders import DONE_FILE, input_identity, link_latest, recorded_run, run_folder
 from crawl2chat.infra.tracking import stage_run
+from crawl2chat.infra.progress import StepProgress
 from crawl2chat.infra.training_records import MetricsFollower, log_model_folder
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.locks import hold_folder
@@ -196,8 +197,10 @@ def _record_training(stage, out, run_dir, settings, launch, inputs, identities, 
         mlflow.set_tag("crawl2chat.run_key", run_dir.name)
         # Step metrics reach MLflow while the run trains, each with its own step and time;
         # a tracking outage buffers them and never stops the training.
-        with MetricsFollower(run_dir / "metrics.jsonl", run.info.run_id):
+        progress = StepProgress(stage, settings.get("max_steps"))
+        with MetricsFollower(run_dir / "metrics.jsonl", run.info.run_id, on_step=progress):
             launch(str(config_file), _progress_printer(stage), str(run_dir))
+        progress.close()
         summary = json.loads((run_dir / "metrics.json").read_text())
         mlflow.log_metrics(_figures(summary))
         mlflow.log_artifact(str(run_dir / "metrics.json"))
