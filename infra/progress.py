@@ -1,4 +1,4 @@
-"""Progress of long work on the terminal: step / total, loss, tokens/s and time left.
+"""Progress of long work on the terminal: step (or page) / total, loss, rate and time left.
 
 On a terminal the line redraws itself in place with a bar; in a log file or CI
 (no terminal) a plain line is written every ``every`` seconds and at the last
@@ -24,8 +24,9 @@ class StepProgress:
 
     WIDTH = 20
 
-    def __init__(self, stage: str, total: int | None, stream: TextIO | None = None, every: float = 30.0):
-        self.stage, self.total = stage, total if total and total > 0 else None
+    def __init__(self, stage: str, total: int | None, stream: TextIO | None = None, every: float = 30.0,
+                 unit: str = "step"):
+        self.stage, self.total, self.unit = stage, total if total and total > 0 else None, unit
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every = every
@@ -35,7 +36,7 @@ class StepProgress:
 
     def line(self, row: dict, now: float) -> str:
         step = int(row.get("step", 0))
-        parts = [f"[{self.stage}] step {step}" + (f"/{self.total}" if self.total else "")]
+        parts = [f"[{self.stage}] {self.unit} {step}" + (f"/{self.total}" if self.total else "")]
         if self.total:
             done = min(1.0, step / self.total)
             parts.append("[" + "#" * int(done * self.WIDTH) + "." * (self.WIDTH - int(done * self.WIDTH)) + "]")
@@ -45,6 +46,10 @@ class StepProgress:
                 break
         if isinstance(row.get("tokens_per_second"), (int, float)):
             parts.append(f"{row['tokens_per_second']:,.0f} tokens/s")
+        if isinstance(row.get("megabytes"), (int, float)):
+            parts.append(f"{row['megabytes']:.1f} MB")
+        if self._first is not None and now > self._first[1] and step > self._first[0] and self.unit != "step":
+            parts.append(f"{(step - self._first[0]) / (now - self._first[1]):.1f} {self.unit}/s")
         if self._first is not None and self.total and step > self._first[0]:
             rate = (step - self._first[0]) / max(1e-9, now - self._first[1])
             parts.append(f"{_duration((self.total - step) / rate)} left")

@@ -19,6 +19,7 @@ import mlflow
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from crawl2chat.infra.progress import StepProgress
 from crawl2chat.infra.ray_runtime import ensure_ray
 from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
@@ -108,9 +109,14 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
         print(f"[data] crawl    already done with these settings ({len(warcs)} WARC files); "
               "--refresh re-crawls", flush=True)
         return warcs
+    progress = StepProgress("data", crawl_cfg.max_pages, unit="pages")
+
+    def on_page(result) -> None:
+        progress({"step": result.pages_fetched, "megabytes": result.bytes_fetched / 2**20})
+
     with stage_run("crawl", {"crawl": params, "refresh": refresh}):
         if crawl_cfg.seed_urls:
-            result = crawl(crawl_cfg, crawl_dir)
+            result = crawl(crawl_cfg, crawl_dir, on_page)
         else:
             # The site keeps its address (or, when that port is taken, its recorded
             # identity through site_aliases) between runs, so a refresh finds its pages unchanged.
@@ -128,7 +134,8 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
                     }
                 )
                 print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)
-                result = crawl(cfg, crawl_dir)
+                result = crawl(cfg, crawl_dir, on_page)
+        progress.close()
         report = result.to_dict()
         mlflow.log_metrics(
             {

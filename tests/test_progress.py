@@ -51,3 +51,14 @@ def test_the_follower_passes_step_rows_on(tmp_path):
     follower = MetricsFollower(path, "no-run", client=object(), on_step=seen.append)
     assert follower.read() > 0
     assert [r["step"] for r in seen] == [1, 2, 3]
+
+
+def test_crawl_progress_counts_pages_with_their_rate():
+    out = io.StringIO()
+    p = StepProgress("data", 100, stream=out, every=10.0, unit="pages")
+    for i in range(1, 51):
+        p({"step": i, "megabytes": i * 0.05}, now=i * 0.5)  # two pages a second
+    line = out.getvalue().splitlines()[-1]
+    assert line.startswith("[data] pages 41/100  [########............]")
+    assert "2.0 MB" in line or "2.1 MB" in line
+    assert "2.0 pages/s" in line and "30s left" in line

@@ -58,7 +58,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -573,7 +573,9 @@ class Crawler:
 
     session: aiohttp.ClientSession  # open for the duration of run()
 
-    def __init__(self, cfg: CrawlConfig, out_dir: str | Path) -> None:
+    def __init__(self, cfg: CrawlConfig, out_dir: str | Path,
+                 on_page: Callable[[CrawlResult], None] | None = None) -> None:
+        self.on_page = on_page  # told after each stored page (progress display)
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -1000,6 +1002,8 @@ class Crawler:
             "outlinks": [self._recorded(link) for link in outlinks],
         }
         self.result.pages_fetched += 1
+        if self.on_page is not None:
+            self.on_page(self.result)
         self._after_page(outlinks, depth)
 
     def _after_page(self, outlinks: list[str], depth: int) -> None:
@@ -1102,11 +1106,13 @@ class Crawler:
         return self.result
 
 
-async def crawl_async(cfg: CrawlConfig, out_dir: str | Path) -> CrawlResult:
-    """Crawl ``cfg.seed_urls`` into ``out_dir`` (WARC files, state, report)."""
-    return await Crawler(cfg, out_dir).run()
+async def crawl_async(cfg: CrawlConfig, out_dir: str | Path,
+                      on_page: Callable[[CrawlResult], None] | None = None) -> CrawlResult:
+    """Crawl ``cfg.seed_urls`` into ``out_dir`` (WARC files, state, report); ``on_page``
+    is told the running result after each stored page."""
+    return await Crawler(cfg, out_dir, on_page).run()
 
 
-def crawl(cfg: CrawlConfig, out_dir: str | Path) -> CrawlResult:
+def crawl(cfg: CrawlConfig, out_dir: str | Path, on_page: Callable[[CrawlResult], None] | None = None) -> CrawlResult:
     """Blocking form of :func:`crawl_async`, for callers without an event loop."""
-    return asyncio.run(crawl_async(cfg, out_dir))
+    return asyncio.run(crawl_async(cfg, out_dir, on_page))
