@@ -13,7 +13,10 @@ import typer
 from crawl2chat.infra.prefect_runtime import configure_prefect_env
 from crawl2chat.stages.training.registry import STAGES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="From raw web pages to an aligned chat model.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="From raw web pages to an aligned chat model.\n\n"
+                       "Example: crawl2chat run   (the whole chain on this machine; then crawl2chat chat "
+                       "--model runs/ppo/model)")
 
 
 
@@ -59,7 +62,10 @@ def data(
     config: Optional[Path] = CONFIG_OPT,
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
-    """Web pages -> clean, language-tagged, deduplicated Parquet shards (a new dataset version)."""
+    """Web pages -> clean, language-tagged, deduplicated Parquet shards (a new dataset version).
+
+    Example: crawl2chat data --input crawl/*.warc.gz --out runs/data   (add --refresh for a new version)
+    """
     cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out,
                          "data.refresh": True if refresh else None}, set_)
     configure_prefect_env(cfg.home)
@@ -91,7 +97,10 @@ def train(
     config: Optional[Path] = CONFIG_OPT,
     set_: Optional[list[str]] = SET_OPT,
 ) -> None:
-    """Every training stage from existing shards: base model, SFT, reward model, PPO (DPO when enabled)."""
+    """Every training stage from existing shards: base model, SFT, reward model, PPO (DPO when enabled).
+
+    Example: crawl2chat train --data runs/data --set pretrain.train.max_steps=2000
+    """
     cfg = _load(config, {}, set_)
     configure_prefect_env(cfg.home)
     from crawl2chat.flows.pipeline import train_flow
@@ -252,7 +261,10 @@ def lineage(
     ref: str = typer.Argument(..., help="A run id, models:/NAME/VERSION, models:/NAME@ALIAS, or a model folder."),
     config: Optional[Path] = CONFIG_OPT,
 ) -> None:
-    """Print the chain data -> tokenizer/base model -> SFT -> reward model -> policy around a model or run."""
+    """Print the chain data -> tokenizer/base model -> SFT -> reward model -> policy around a model or run.
+
+    Example: crawl2chat lineage runs/ppo/model   (or a run id, or models:/crawl2chat-policy@current)
+    """
     cfg = _load(config, {}, None)
     from crawl2chat.infra.lineage import format_lineage
     from crawl2chat.infra.tracking import setup_tracking
@@ -268,7 +280,10 @@ def lineage(
 def serve_flows(
     refresh_cron: str = typer.Option("0 3 * * *", "--refresh-cron", help="Cron schedule of the data refresh (UTC)."),
 ) -> None:
-    """Serve the pipeline, data-refresh, train and single-stage flows to a Prefect server (set PREFECT_API_URL)."""
+    """Serve the pipeline, data-refresh, train and single-stage flows to a Prefect server (set PREFECT_API_URL).
+
+    Example: PREFECT_API_URL=http://127.0.0.1:4200/api crawl2chat serve-flows --refresh-cron "0 3 * * *"
+    """
     configure_prefect_env()
     from prefect import serve
 

@@ -38,7 +38,10 @@ def eval_command(
     parent: Optional[str] = typer.Option(None, "--parent", help="SFT parent: win rate and KL of --model against it."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Held-out prompts for --parent (JSONL or lines)."),
 ) -> None:
-    """Bits per byte, perplexity, multiple choice and sample generations of a model."""
+    """Bits per byte, perplexity, multiple choice and sample generations of a model.
+
+    Example: crawl2chat eval --model runs/pretrain/model --data runs/data   (its held-out split only)
+    """
     _check_model(model)
     _check_quantize(quantize)
     if split not in ("model", "all"):
@@ -64,7 +67,10 @@ def export_command(
     data: Optional[str] = typer.Option(None, "--data", help="Held-out text for the fp32/int8 bits-per-byte comparison."),
     compile_check: bool = typer.Option(False, "--compile-check", help="Measure torch.compile against eager decoding; serve compiled only if faster."),
 ) -> None:
-    """Add generation config and chat template, check the reload, optionally measure int8."""
+    """Add generation config and chat template, check the reload, optionally measure int8.
+
+    Example: crawl2chat export --model runs/ppo/model --out exported/policy --quantize int8
+    """
     _check_model(model)
     _check_quantize(quantize)
     from crawl2chat.stages.inference.export import REPORT, export_model
@@ -118,7 +124,10 @@ def serve_command(
                                                     help="Origin allowed cross-origin requests (repeatable; '*': any). "
                                                          "Default: none, no CORS headers."),
 ) -> None:
-    """HTTP server: /health, /generate (streaming) and OpenAI-compatible /v1/chat/completions."""
+    """HTTP server: /health, /generate (streaming) and OpenAI-compatible /v1/chat/completions.
+
+    Example: crawl2chat serve --model runs/ppo/model --port 8000   (OpenAI base URL http://127.0.0.1:8000/v1)
+    """
     _check_model(model)
     _check_quantize(quantize)
     from crawl2chat.stages.inference.serve import ServerSettings, serve
@@ -149,7 +158,10 @@ def chat_command(
     repetition_penalty: float = typer.Option(1.2, "--repetition-penalty",
                                              help="Divide the scores of tokens already said by this (1 = off)."),
 ) -> None:
-    """Terminal chat on the serving code path (chat template, KV-cache streaming). /reset, /exit."""
+    """Terminal chat on the serving code path (chat template, KV-cache streaming). /reset, /exit.
+
+    Example: crawl2chat chat --model runs/ppo/model
+    """
     _check_model(model)
     _check_quantize(quantize)
     from crawl2chat.stages.inference.generation import Engine, SamplingParams

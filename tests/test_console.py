@@ -44,3 +44,20 @@ def test_verbose_flag_reaches_the_process_and_what_it_starts():
     quiet = subprocess.run([sys.executable, "-c", code.replace("'-v', ", "")], capture_output=True, text=True,
                            timeout=120, env=env).stdout
     assert "VERBOSE= URLS=true" in quiet
+
+
+def test_every_command_shows_an_example():
+    import re
+
+    from typer.testing import CliRunner
+
+    from crawl2chat.cli import app
+
+    env = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    top = CliRunner().invoke(app, ["--help"], env=env)
+    assert "Example: crawl2chat run" in top.output
+    commands = re.findall(r"^│ (\w[\w-]*)\s{2,}", top.output, re.M)
+    assert {"data", "run", "pretrain", "distill", "eval", "serve", "chat", "lineage"} <= set(commands)
+    for name in commands:
+        out = CliRunner().invoke(app, [name, "--help"], env=env).output
+        assert "Example:" in out and "crawl2chat" in out.split("Example:", 1)[1], name
