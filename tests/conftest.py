@@ -19,6 +19,23 @@ for var in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
+# Addresses of services a test started. ``mlflow.set_tracking_uri`` writes its URI into
+# the environment, so without this a test's server, gone after it, would be inherited
+# by every later test's subprocesses.
+_SERVICE_VARS = ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "MLFLOW_EXPERIMENT_ID",
+                 "MLFLOW_EXPERIMENT_NAME")
+
+
+@pytest.fixture(autouse=True)
+def _service_addresses_do_not_leak():
+    saved = {k: os.environ.get(k) for k in _SERVICE_VARS}
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:

@@ -174,7 +174,9 @@ def test_unusable_data_fails_once_with_one_sentence_and_status_2(base, tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "crawl2chat.cli", "sft", "--base", str(base), "--data", str(bad), "--out", str(out),
          "--max-steps", "2", "--set", f"home={tmp_path / 'home'}"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"})
+        capture_output=True, text=True, timeout=600,
+        env={**{k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")},
+             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"})
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: sft: ") and "no usable rows" in last and "train.log" in last, last

@@ -400,4 +400,6 @@ def test_file_cut_inside_a_gzip_member_is_reported_and_the_cut_record_quarantine
     # A cut document whose headers were read keeps its id (and what of its text was read).
     if cut_row["url"] and cut_row["record_type"] == "response":
         assert cut_row["id"] == whole[len(prefix)]["id"]
-        assert whole[len(prefix)]["text"].startswith(cut_row["text"][:200])
+        # What was read of its text begins the whole text, unless the body was cut inside its
+        # first tag (the extractor then sees a bare "<").
+        assert whole[len(prefix)]["text"].startswith(cut_row["text"][:200]) or cut_row["text"].strip() == "<"
