@@ -31,7 +31,7 @@ from test_sft import tiny_base, write_jsonl
 
 pytestmark = [pytest.mark.timeout(900)]
 
-STEPS = 40
+STEPS = 150  # long enough (seconds, on an idle machine) for the follower to post points mid-run
 SETS = {"seq_len": 64, "micro_batch_size": 4, "warmup_steps": 2, "eval_every": 0, "checkpoint_every": 0,
         "val_fraction": 0.0, "max_steps": STEPS}
 
