@@ -144,3 +144,17 @@ def test_showcase_asks_reference_questions_about_pages_no_set_used(tmp_path):
     assert len(rows) == 3 and len({r["source_id"] for r in rows}) == 3
     assert all(r["prompt"].endswith("module for?") and r["source_id"] not in used for r in rows)
     assert all(r["reference"].startswith("Tools number") for r in rows)
+
+
+def test_showcase_passes_over_test_modules(tmp_path):
+    shards = tmp_path / "corpus" / "shards"
+    shards.mkdir(parents=True)
+    names = [f"pkg.tests.test_mod{i}" for i in range(20)] + [f"mod{i}" for i in range(20)]
+    texts = [_reference_page(m, f"Tools number {i} for working with rivers and mills.",
+                             {f"f{j}": f"Return the flow of river {i} at mill {j}." for j in range(2)}, False)
+             for i, m in enumerate(names)]
+    pq.write_table(pa.table({"id": [f"doc-{i}" for i in range(40)], "url": [f"http://127.0.0.1:8000/{m}.html" for m in names],
+                             "text": texts, "drop_reason": [None] * 40}), shards / "part-0.parquet")
+    paths = derive_demo_sets(tmp_path / "corpus", tmp_path / "sets", n=5)
+    rows = [json.loads(line) for line in Path(paths["showcase"]).read_text().splitlines()]
+    assert len(rows) == 3 and not any("test" in r["prompt"] for r in rows), rows

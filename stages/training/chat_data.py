@@ -569,6 +569,8 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     # Reference questions first (what a module is for, then what a function does):
     # their answers are on pages the model read, so they show what it learnt.
     def kind(prompt: str) -> int:
+        if re.search(r"\btests?\b|\btest_", prompt):
+            return 3  # a test module's purpose ("Tests for X") shows little of what was learnt
         return 0 if prompt.endswith("module for?") else 1 if prompt.startswith("What does ") else 2
 
     unused = [examples[i] for i in order if examples[i][2] not in used]
