@@ -58,17 +58,21 @@ def chosen(source_id: str, fraction: float, seed: int) -> bool:
 # --------------------------------------------------------------------------- noise
 
 
-def _noisy_word(word: str, rng: random.Random, drop: float, swap: float) -> str:
-    chars = [c for c in word if not (drop and rng.random() < drop)]
-    if swap:
+def _swap_adjacent(items: list, rng: random.Random, rate: float) -> list:
+    """Swap each item with the next at ``rate`` (a swapped pair is not swapped again); in place."""
+    if rate:
         i = 0
-        while i < len(chars) - 1:
-            if rng.random() < swap:
-                chars[i], chars[i + 1] = chars[i + 1], chars[i]
+        while i < len(items) - 1:
+            if rng.random() < rate:
+                items[i], items[i + 1] = items[i + 1], items[i]
                 i += 2
             else:
                 i += 1
-    return "".join(chars)
+    return items
+
+
+def _noisy_word(word: str, rng: random.Random, drop: float, swap: float) -> str:
+    return "".join(_swap_adjacent([c for c in word if not (drop and rng.random() < drop)], rng, swap))
 
 
 def noise_text(text: str, rng: random.Random, char_drop: float, char_swap: float, word_drop: float,
@@ -83,15 +87,8 @@ def noise_text(text: str, rng: random.Random, char_drop: float, char_swap: float
         if not words:
             lines.append(line)
             continue
-        kept = [w for w in words if not (word_drop and rng.random() < word_drop)] or [words[0]]
-        if word_swap:
-            i = 0
-            while i < len(kept) - 1:
-                if rng.random() < word_swap:
-                    kept[i], kept[i + 1] = kept[i + 1], kept[i]
-                    i += 2
-                else:
-                    i += 1
+        kept = _swap_adjacent([w for w in words if not (word_drop and rng.random() < word_drop)] or [words[0]],
+                              rng, word_swap)
         if char_drop or char_swap:
             kept = [w for w in (_noisy_word(w, rng, char_drop, char_swap) for w in kept) if w]
         lines.append(" ".join(kept))
