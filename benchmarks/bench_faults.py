@@ -1,5 +1,13 @@
 """Faults survived: kill each training stage at seeded points, rerun, compare.
 
+For the data stage (``crawl2chat data`` on a 60-page WARC), a clean build is
+timed first; then the command is SIGKILLed inside each step's Ray job (its
+process group, from outside) and at every window of the commit sequences (a
+step's folder written / renamed into place; the version's files staged, moved
+into ``shards/``, the version folder renamed before the manifest), rerun, and
+compared with the clean build: same kept ids and content digest, no temporary
+folder left, no process of the command alive.
+
 For pretraining and SFT (tiny models, tens of steps, through the real
 ``accelerate launch``), a clean run is timed first; then, at each seeded kill
 point (the owning process, the ``accelerate launch`` process and the training
@@ -9,7 +17,7 @@ end and compared with the clean run's weights, bitwise. A kill point is
 *survived* when nothing was left running and the rerun's weights equal the
 clean run's.
 
-    python benchmarks/bench_faults.py [--out DIR] [--seed 7] [--stages pretrain,sft]
+    python benchmarks/bench_faults.py [--out DIR] [--seed 7] [--stages data,pretrain,sft]
 
 Prints a table and one JSON document, also written to OUT/bench_faults.json.
 """
@@ -23,7 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from crawl2chat.infra.fault_drill import (PRETRAIN_STEPS, SFT_STEPS, kill_at, pretrain_spec, rerun, same_weights,
+from crawl2chat.infra.fault_drill import (DATA_COMMIT_POINTS, DATA_STEPS, PRETRAIN_STEPS, SFT_STEPS, data_result,
+                                          drill_warc, kill_at, pretrain_spec, rerun, run_data, same_weights,
                                           seeded_points, sft_spec, tiny_inputs)
 
 
@@ -52,17 +61,46 @@ def drill_stage(stage: str, make_spec, clean_out: Path, root: Path, seed: int, m
                                         / max(1, sum("rerun_seconds" in r for r in tried)), 2)}
 
 
+def drill_data(root: Path) -> dict:
+    """Every data kill point: inside each step's job, and each commit window."""
+    warc = drill_warc(root / "data-in" / "pages.warc.gz")
+    home = root / "data-home"
+    clean = run_data([str(warc)], root / "data-clean", home)
+    if clean["status"] != 0:
+        raise RuntimeError(f"the clean data build failed:\n{clean['output']}")
+    reference = data_result(root / "data-clean")
+    rows = []
+    for i, point in enumerate([f"in:{s}" for s in DATA_STEPS] + [f"at:{p}" for p in DATA_COMMIT_POINTS]):
+        out = root / f"data-kill-{i}"
+        killed = run_data([str(warc)], out, home, kill_at=point)
+        row = {"point": point, "killed": killed["killed"], "orphans": len(killed["orphans"]),
+               "run_until_kill_seconds": round(killed["seconds"], 2)}
+        again = run_data([str(warc)], out, home)
+        result = data_result(out)
+        row.update(rerun_seconds=round(again["seconds"], 2), rerun_status=again["status"],
+                   same_ids=result["ids"] == reference["ids"],
+                   same_digest=result["content_digest"] == reference["content_digest"],
+                   leftovers=len(result["leftovers"]))
+        row["survived"] = bool(row["killed"] and not row["orphans"] and again["status"] == 0 and row["same_ids"]
+                               and row["same_digest"] and not row["leftovers"])
+        rows.append(row)
+    tried = [r for r in rows if r["killed"]]
+    return {"stage": "data", "clean_seconds": round(clean["seconds"], 2), "kill_points": rows, "tried": len(tried),
+            "survived": sum(r["survived"] for r in tried),
+            "mean_rerun_seconds": round(sum(r["rerun_seconds"] for r in tried) / max(1, len(tried)), 2)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="working folder (default: a temporary one, removed afterwards)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--stages", default="pretrain,sft")
+    p.add_argument("--stages", default="data,pretrain,sft")
     args = p.parse_args(argv)
     root = Path(args.out or tempfile.mkdtemp(prefix="bench-faults-")).resolve()
     stages = [s for s in args.stages.split(",") if s]
     try:
         inputs = tiny_inputs(root)
-        results = []
+        results = [drill_data(root)] if "data" in stages else []
         clean_pretrain = root / "pretrain-clean"
         if "pretrain" in stages or "sft" in stages:
             pre = drill_stage("pretrain", lambda out: pretrain_spec(inputs, out), clean_pretrain, root, args.seed,
@@ -74,11 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
         if "sft" in stages:
             results.append(drill_stage("sft", lambda out: sft_spec(inputs, clean_pretrain / "model", out),
                                        root / "sft-clean", root, args.seed + 1, SFT_STEPS))
-        print(f"{'stage':9} {'kill point':16} {'killed at':>9} {'orphans':>7} {'rerun s':>8} {'bitwise':>7}")
+        print(f"{'stage':9} {'kill point':28} {'killed at':>9} {'orphans':>7} {'rerun s':>8} {'same':>5}")
         for res in results:
             for r in res["kill_points"]:
-                print(f"{res['stage']:9} {r['point']:16} {r.get('killed_at_step', '-'):>9} {r.get('orphans', '-'):>7} "
-                      f"{r.get('rerun_seconds', '-'):>8} {str(r.get('same_weights', r.get('error', '-'))):>7}")
+                same = r.get("same_weights", r.get("same_digest", r.get("error", "-")))
+                print(f"{res['stage']:9} {r['point']:28} {r.get('killed_at_step', '-'):>9} {r.get('orphans', '-'):>7} "
+                      f"{r.get('rerun_seconds', '-'):>8} {str(same):>5}")
             print(f"{res['stage']}: {res['survived']}/{res['tried']} kill points survived; rerun after a kill "
                   f"{res['mean_rerun_seconds']} s vs clean run {res['clean_seconds']} s")
         report = {"seed": args.seed, "stages": results}

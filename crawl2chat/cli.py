@@ -25,7 +25,9 @@ def _entry(verbose: bool = typer.Option(False, "--verbose", "-v",
                                         help="Show the libraries' own notices too (MLflow, Ray, DeepSpeed); "
                                              "they always reach the log files.")) -> None:
     from crawl2chat.infra.console import VERBOSE_ENV, quiet_libraries
+    from crawl2chat.stages.lifetime import hold_lifeline
 
+    hold_lifeline()  # nothing this command starts (Prefect's API, Ray, training) outlives it
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_libraries()

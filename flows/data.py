@@ -12,6 +12,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from crawl2chat.stages.data.versions import remove_leftovers
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.settings import Config, apply_profile
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
@@ -52,6 +53,9 @@ def run_data_pipeline(config: Config) -> dict:
               "(listed in review.md)", flush=True)
     out = str(Path(data.out).resolve())
     with hold_folder(out):  # one build at a time per data folder
+        removed = remove_leftovers(out)
+        if removed:
+            print(f"[data] removed {len(removed)} temporary files left by an interrupted build in {out}", flush=True)
         return _build(config, out)
 
 
@@ -63,7 +67,10 @@ def _build(config: Config, out: str) -> dict:
         files += t.crawl_task(crawl_cfg, out, data.refresh)
     plan = t.plan_version_task(out, files, build_settings(data), data.refresh, data.previous_index)
     if plan.up_to_date:
-        return t.current_version_task(out, plan)
+        manifest = t.current_version_task(out, plan)
+        if not (Path(out) / "review.md").exists():  # a build killed between its commit and its review
+            t.review_task(out, data.review)
+        return manifest
     what = f"refresh: {len(plan.files)} new input files" if plan.refresh else f"{len(plan.files)} input files"
     print(f"[data] building {plan.name} ({what}) -> {out}", flush=True)
     work = plan.work_dir

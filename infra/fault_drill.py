@@ -179,6 +179,13 @@ PRETRAIN_STEPS = 40
 SFT = ["seq_len=64", "micro_batch_size=4", "lr=1e-3", "min_lr=1e-4", "warmup_steps=2", "eval_every=0",
        "eval_batches=2", "checkpoint_every=10", "keep_checkpoints=2"]
 SFT_STEPS = 30
+PAIRS = ["seq_len=64", "micro_batch_size=4", "lr=1e-3", "min_lr=1e-4", "warmup_steps=2", "eval_every=0",
+         "eval_batches=2", "checkpoint_every=10", "keep_checkpoints=2"]
+REWARD_STEPS = DPO_STEPS = 30
+# PPO counts rollouts: 4 prompts each, 8-token answers, a checkpoint every 4 of 12.
+PPO = ["rollout_batch_size=4", "micro_batch_size=4", "ppo_epochs=2", "max_new_tokens=8", "lr=1e-4",
+       "checkpoint_every=4", "keep_checkpoints=2", "log_every=1"]
+PPO_STEPS = 12
 
 
 def text_lines(n_lines: int, seed: int) -> str:
@@ -207,7 +214,18 @@ def tiny_inputs(root: str | os.PathLike) -> dict:
         rows.append({"prompt": prompt, "response": " ".join(reversed(prompt.split()))})
     sft_data = root / "sft.jsonl"
     sft_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"text": str(text), "tokenizer": str(tok_dir), "sft": str(sft_data)}
+    # Preferences: the reversed prompt is preferred to a shuffled one; the prompts alone for PPO.
+    pairs = []
+    for r in rows:
+        shuffled = r["prompt"].split()
+        rng.shuffle(shuffled)
+        pairs.append({"prompt": r["prompt"], "chosen": r["response"], "rejected": " ".join(shuffled + ["fool"])})
+    prefs = root / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
+    return {"text": str(text), "tokenizer": str(tok_dir), "sft": str(sft_data), "prefs": str(prefs),
+            "prompts": str(prompts)}
 
 
 def pretrain_spec(inputs: dict, out: str | os.PathLike) -> dict:
@@ -220,6 +238,21 @@ def sft_spec(inputs: dict, base: str | os.PathLike, out: str | os.PathLike) -> d
             "max_steps": SFT_STEPS, "overrides": SFT}
 
 
+def reward_spec(inputs: dict, base: str | os.PathLike, out: str | os.PathLike) -> dict:
+    return {"stage": "reward", "inputs": {"base": str(base), "data": inputs["prefs"]}, "out": str(out),
+            "max_steps": REWARD_STEPS, "overrides": PAIRS}
+
+
+def dpo_spec(inputs: dict, policy: str | os.PathLike, out: str | os.PathLike) -> dict:
+    return {"stage": "dpo", "inputs": {"policy": str(policy), "data": inputs["prefs"]}, "out": str(out),
+            "max_steps": DPO_STEPS, "overrides": PAIRS}
+
+
+def ppo_spec(inputs: dict, policy: str | os.PathLike, reward: str | os.PathLike, out: str | os.PathLike) -> dict:
+    return {"stage": "ppo", "inputs": {"policy": str(policy), "reward": str(reward), "prompts": inputs["prompts"]},
+            "out": str(out), "max_steps": PPO_STEPS, "overrides": PPO}
+
+
 def seeded_points(seed: int, max_steps: int, checkpoint_every: int) -> list[KillPoint]:
     """One kill of each target at a seeded step, and one of the owner during a save."""
     import random
@@ -230,6 +263,145 @@ def seeded_points(seed: int, max_steps: int, checkpoint_every: int) -> list[Kill
             KillPoint("launcher", rng.randint(lo, hi)),
             KillPoint("owner", rng.randint(checkpoint_every, max_steps - checkpoint_every - 1), during_save=True)]
 
+
+
+# ---------------------------------------------------------------- the data stage
+
+# Where a data build is killed: inside a step's Ray job (``in:STEP``, from outside,
+# once the step's temporary folder appears) or at a named point of a commit
+# sequence (``at:POINT``, the process kills itself there; see
+# ``stages/fault_points.py``).
+DATA_STEPS = ("extract", "langid", "quality", "dedup", "balance")
+DATA_COMMIT_POINTS = (*(f"step:{s}:{w}" for s in DATA_STEPS for w in ("written", "committed")),
+                      "write:staged", "write:files_moved", "write:version_renamed")
+DATA_SETTINGS = ["data.dedup.num_shards=4", "data.shard_bytes=20000"]
+DATA_TAG = "CRAWL2CHAT_DATA_DRILL"  # marks the command and every process it starts (Ray's included)
+
+PROSE = ("the river town market people walked along old stone bridge morning light fell across water boats "
+         "carried fish bread and wine from farms in the valley children played near gardens while their parents "
+         "talked about weather prices harvest news letters from cities far away each season brought travellers "
+         "who told stories of mountains forests roads and long winters that shaped the life of every family").split()
+
+
+def drill_warc(path: str | os.PathLike, pages: int = 60, seed: int = 0) -> Path:
+    """A gzipped WARC of ``pages`` English prose pages, every fifth one a near copy of
+    its predecessor (so dedup has work), with fixed record ids and dates."""
+    import io
+    import random
+    import uuid
+
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bodies: list[str] = []
+    for n in range(pages):
+        rng = random.Random(seed * 100_000 + (n - 1 if n % 5 == 4 else n))
+        paragraphs = [" ".join(" ".join(rng.choice(PROSE) for _ in range(rng.randint(9, 15))).capitalize() + "."
+                               for _ in range(4)) for _ in range(5)]
+        if n % 5 == 4:
+            paragraphs[-1] = f"Updated edition {n}."
+        bodies.append(f"<html><head><title>page {n}</title></head><body>"
+                      + "".join(f"<p>{p}</p>" for p in paragraphs) + "</body></html>")
+    with open(path, "wb") as out:
+        writer = WARCWriter(out, gzip=True)
+        for n, html in enumerate(bodies):
+            body = html.encode()
+            http = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
+            writer.write_record(writer.create_warc_record(
+                f"http://town.example.org/page{n}", "response", payload=io.BytesIO(body), length=len(body),
+                http_headers=http, warc_headers_dict={"WARC-Record-ID": f"<urn:uuid:{uuid.UUID(int=n + 1)}>",
+                                                      "WARC-Date": "2024-05-01T00:00:00Z"}))
+    return path
+
+
+def data_command(inputs: list[str], out: str | os.PathLike) -> list[str]:
+    """``crawl2chat data`` on ``inputs`` into ``out``, as a user types it."""
+    cmd = [sys.executable, "-m", "crawl2chat.cli", "data", "--out", str(out)]
+    for path in inputs:
+        cmd += ["--input", str(path)]
+    for setting in DATA_SETTINGS:
+        cmd += ["--set", setting]
+    return cmd
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries ``DATA_TAG=tag``."""
+    needle = f"{DATA_TAG}={tag}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def run_data(inputs: list[str], out: str | os.PathLike, home: str | os.PathLike, kill_at: str | None = None,
+             timeout: float = 600.0) -> dict:
+    """Run ``crawl2chat data`` (working folder ``home``, so its MLflow store and Prefect
+    state stay there), SIGKILLing it at ``kill_at`` (``in:STEP`` or ``at:POINT``) when
+    given; returns the exit status, whether the kill happened, the processes of the
+    command still alive 30 s later, the wall time and the end of its output."""
+    import secrets
+
+    out, home = Path(out).resolve(), Path(home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    tag = secrets.token_hex(6)
+    env = {**os.environ, DATA_TAG: tag}
+    if kill_at and kill_at.startswith("at:"):
+        env["CRAWL2CHAT_KILL_AT"] = kill_at[3:]
+    log = home / f"data-{tag}.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(data_command(inputs, out), cwd=home, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    killed = False
+    try:
+        if kill_at and kill_at.startswith("in:"):
+            step = kill_at[3:]
+            while proc.poll() is None and time.monotonic() - t0 < timeout:
+                if any((out / "work").glob(f"v*/.{step}.tmp-*")) or any((out / "work").glob(f".{step}.tmp-*")):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the command's whole group, as a terminal kills it
+                    killed = True
+                    break
+                time.sleep(0.01)
+        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if kill_at and kill_at.startswith("at:"):
+        killed = proc.returncode == -signal.SIGKILL
+    seconds = time.monotonic() - t0
+    deadline = time.monotonic() + 30
+    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {"status": proc.returncode, "killed": killed, "orphans": left, "seconds": seconds,
+            "output": log.read_text(errors="replace")[-3000:]}
+
+
+def data_result(out: str | os.PathLike) -> dict:
+    """What a data build produced: its version, content digest and kept document ids,
+    and any temporary folder left behind."""
+    import pyarrow.parquet as pq
+
+    from crawl2chat.stages.data.versions import read_manifest, shard_files
+
+    out = Path(out)
+    manifest = read_manifest(str(out)) or {}
+    ids = sorted(pq.read_table(shard_files(out), columns=["id"])["id"].to_pylist()) if manifest else []
+    leftovers = sorted(str(p.relative_to(out)) for p in out.rglob("*") if ".tmp-" in p.name)
+    return {"version": manifest.get("version"), "versions": manifest.get("versions"),
+            "content_digest": manifest.get("content_digest"), "ids": ids,
+            "documents_dropped": manifest.get("documents_dropped"), "leftovers": leftovers,
+            "review": (out / "review.md").exists()}
 
 if __name__ == "__main__":
     from crawl2chat.tasks.train import launch_training

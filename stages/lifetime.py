@@ -24,6 +24,14 @@ rank whose ancestors no longer include it exits at once.
 
 Elsewhere (macOS) there is no parent-death signal: only the process-group
 handling of ``run_streaming`` applies (Ctrl-C, SIGTERM of the owner's task).
+
+Not every process a command starts is started by this project: Prefect's local
+API server, Ray's agents and whatever those start again cannot be given a
+parent-death signal. A command therefore holds a *lifeline*
+(:func:`hold_lifeline`): a token in ``CRAWL2CHAT_LIFELINE`` that every process it
+starts inherits, and a small reaper process that waits on a pipe from the
+command. The pipe closes when the command ends, however it ends; the reaper then
+kills every process still carrying the token and exits.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import time
 from collections.abc import Iterable
 
 OWNER_ENV = "CRAWL2CHAT_OWNER_PID"  # the pid of the process a launched job belongs to
+LIFELINE_ENV = "CRAWL2CHAT_LIFELINE"  # "<pid of the command>:<random>", inherited by all it starts
 _PR_SET_PDEATHSIG = 1
 
 _prctl = None
@@ -134,3 +143,89 @@ def terminate_tree(pgid: int, procs: Iterable, grace: float = 10.0) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+# ---------------------------------------------------------------- lifeline
+
+
+def hold_lifeline() -> str | None:
+    """Tie every process this one starts from now on to this process's life (see the
+    module docstring); returns the token. Idempotent within a process; a command
+    started by another command holds a lifeline of its own (and, carrying the
+    outer token, is reaped by the outer one)."""
+    import secrets
+    import subprocess
+
+    held = os.environ.get(LIFELINE_ENV, "")
+    if held.split(":", 1)[0] == str(os.getpid()):
+        return held
+    token = f"{os.getpid()}:{secrets.token_hex(8)}"
+    os.environ[LIFELINE_ENV] = token
+    try:
+        # The write end stays in this process only (pipes are not inherited by the
+        # processes it starts), so the reaper reads EOF exactly when this process is gone.
+        reaper = subprocess.Popen([sys.executable, "-m", "crawl2chat.stages.lifetime", token],
+                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)  # out of the reach of Ctrl-C and of a group kill
+    except OSError:
+        return token
+    hold_lifeline._reaper = reaper  # the pipe's write end lives as long as this process
+    return token
+
+
+def carrying(token: str) -> list[int]:
+    """Live processes (other than this one) whose environment carries the lifeline ``token``.
+
+    On Linux the environment block is read raw from ``/proc``: processes that retitle
+    themselves (Ray's agents) overwrite its first entries, and a parser that stops at
+    the first empty entry would miss the token further on."""
+    import psutil
+
+    entry = f"{LIFELINE_ENV}={token}".encode()
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if os.path.isdir("/proc"):
+                with open(f"/proc/{p.pid}/environ", "rb") as f:
+                    has = entry in f.read().split(b"\0")
+            else:
+                has = p.environ().get(LIFELINE_ENV) == token
+            if has and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def reap(token: str, rounds: int = 5) -> list[int]:
+    """Kill every process carrying ``token``; a few rounds, for those started meanwhile."""
+    killed: list[int] = []
+    for _ in range(rounds):
+        pids = carrying(token)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.2)
+    return killed
+
+
+def _reaper_main(token: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        while sys.stdin.buffer.read(65536):
+            pass
+    except OSError:
+        pass
+    reap(token)
+
+
+if __name__ == "__main__":
+    _reaper_main(sys.argv[1])

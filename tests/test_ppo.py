@@ -226,3 +226,62 @@ def test_interrupted_run_resumes_from_its_checkpoint_exactly(models, tmp_path, m
     a = load_file(tmp_path / "whole" / "model" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_non_finite_weights_roll_back_past_the_batch_and_survive_a_restart(models, tmp_path):
+    """An update that leaves NaN weights (injected after prompt batch 3) sends the run back
+    to the rollout-2 checkpoint at half the learning rate, past batch 3; the outcome is on
+    disk at once, so a run killed right after resumes with it; the finished model is finite.
+    A run that keeps failing ends as diverged after max_rollbacks in a row."""
+    from safetensors.torch import load_file
+
+    from crawl2chat.stages.training import ppo
+    from crawl2chat.stages.training.trainer import TrainingDiverged
+
+    def cfg(**kw):
+        return PPOConfig(rollout_batch_size=4, micro_batch_size=2, max_new_tokens=4, max_steps=5, ppo_epochs=1,
+                         checkpoint_every=2, seed=11, lr=1e-3, **kw)
+
+    out = tmp_path / "nan"
+    summary = ppo.run(cfg(inject_nan_at_batches=[3]), str(models["sft"]), str(models["rm"]), str(models["prompts"]),
+                      out)
+    events = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "event"]
+    rollback = [e for e in events if e["event"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["reason"] == "non-finite weights after the update"
+    assert rollback[0]["checkpoint"] == "step_00000002" and rollback[0]["lr_scale"] == 0.5
+    record = json.loads((out / "checkpoints" / "rollback.json").read_text())
+    assert record["batch_index"] == 4 and record["step"] == 2 and record["rollbacks"] == 1
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["type"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert steps[2]["lr"] == pytest.approx(0.5e-3) and steps[1]["lr"] == pytest.approx(1e-3)
+    assert summary["rollbacks"] == 1 and summary["steps"] == 5
+    weights = load_file(out / "model" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+    # Killed right after that rollback (before any new checkpoint): the rerun applies the record.
+    crashed = tmp_path / "crashed"
+    real = PPORunner.rollback
+
+    def rollback_then_die(self, reason, batch):
+        real(self, reason, batch)
+        raise KeyboardInterrupt
+
+    PPORunner.rollback = rollback_then_die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ppo.run(cfg(inject_nan_at_batches=[3]), str(models["sft"]), str(models["rm"]), str(models["prompts"]),
+                    crashed)
+    finally:
+        PPORunner.rollback = real
+    again = ppo.run(cfg(inject_nan_at_batches=[3]), str(models["sft"]), str(models["rm"]), str(models["prompts"]),
+                    crashed)
+    resume = [r for r in read_metrics(crashed / "metrics.jsonl") if r.get("event") == "resume"]
+    assert resume[-1]["lr_scale"] == 0.5 and resume[-1]["batch_index"] == 4
+    assert again["rollbacks"] == 1
+    b = load_file(crashed / "model" / "model.safetensors")
+    assert weights.keys() == b.keys() and all(torch.equal(weights[k], b[k]) for k in weights)
+
+    # Failing on every batch: diverged after max_rollbacks failures in a row.
+    with pytest.raises(TrainingDiverged, match="after 1 rollbacks in a row"):
+        ppo.run(cfg(inject_nan_at_batches=[1, 2, 3, 4, 5, 6], rollback={"max_rollbacks": 1}), str(models["sft"]),
+                str(models["rm"]), str(models["prompts"]), tmp_path / "diverged")

@@ -60,7 +60,8 @@ EVIDENCE: dict[type, dict[str, str]] = {
                   **{f: "ppo" for f in ("rollout_batch_size", "ppo_epochs", "max_prompt_len", "max_new_tokens",
                                         "temperature", "gamma", "lam", "cliprange", "cliprange_value", "vf_coef",
                                         "ent_coef", "kl_coef", "adaptive_kl", "kl_target", "kl_horizon",
-                                        "missing_eos_penalty", "save_value_model")},
+                                        "missing_eos_penalty", "save_value_model", "rollback",
+                                        "inject_nan_at_batches")},
                   # The trainer's fields PPO's own loop has no use for.
                   **{f: REFUSED for f in S.NOT_FOR_PPO}},
     S.MLMConfig: {**TRAINER, **{f: "encoders" for f in ("seq_len", "vocab_size", "tokenizer", "tokenizer_type",
@@ -73,8 +74,10 @@ EVIDENCE: dict[type, dict[str, str]] = {
                    **{f: "span" for f in ("preset", "grad_checkpointing")}},
     S.RollbackConfig: {"max_rollbacks": "trainer", "lr_factor": "trainer", "spike_factor": "trainer",
                        "spike_window": "trainer"},
+    S.PPORollbackConfig: {"max_rollbacks": "ppo", "lr_factor": "ppo"},
 }
 MODULES[S.RollbackConfig] = ("trainer",)
+MODULES[S.PPORollbackConfig] = ("ppo",)
 
 
 def _source(module: str) -> str:
@@ -124,8 +127,10 @@ def test_ppo_script_hands_its_settings_to_the_shared_builders():
 def test_ppo_refuses_trainer_settings_by_name_in_the_project_tree():
     with pytest.raises(SettingsError, match=r"ppo\.train: .*seq_len does not apply to PPO"):
         load_settings(Config, None, {"ppo.train.seq_len": 128})
-    with pytest.raises(SettingsError, match=r"rollback does not apply to PPO"):
-        load_settings(Config, None, {"ppo.train.rollback.max_rollbacks": 2})
+    with pytest.raises(SettingsError, match=r"rollback\.spike_factor does not apply to PPO"):
+        load_settings(Config, None, {"ppo.train.rollback.spike_factor": 2.0})
+    cfg = load_settings(Config, None, {"ppo.train.rollback.max_rollbacks": 2})  # PPO rolls back too
+    assert cfg.ppo.train.rollback.max_rollbacks == 2
     cfg = load_settings(Config, None, {"ppo.train.grad_checkpointing": True})  # applies to PPO: accepted
     assert cfg.ppo.train.grad_checkpointing
 

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 import ray
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
+from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data.versions import (
     MANIFEST,
@@ -151,9 +152,11 @@ def run_step(
         )
         write_checksums(tmp)  # sizes and sha256 of the step's files, checked before a rerun skips it
         (tmp / MARKER).write_text(json.dumps(result.to_dict(), indent=2))
+        kill_point(f"step:{name}:written")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        kill_point(f"step:{name}:committed")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -549,7 +552,9 @@ def write_dataset(
         if last.kept:
             n_shards = max(1, -(-last.bytes_in // max(shard_bytes, 1)))
             ds = read_kept(last.out_dir).map_batches(_with_shard_columns, batch_format="pyarrow")
-            ds.repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
+            # Sorted by id, then cut into equal runs: the same documents make byte-identical
+            # shards (and so the same content digest) however the steps' blocks arrived.
+            ds.sort("id").repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
         new_shards = _rename_in_order(tmp / "shards", f"{version}-shard")
 
         # Step folders differ in columns, so each is mapped to the quarantine schema first.
@@ -619,6 +624,7 @@ def write_dataset(
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (version_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        kill_point("write:staged")
         for name, new_files in (("shards", new_shards), ("rejected", new_rejected)):
             target = out / name
             target.mkdir(exist_ok=True)
@@ -626,11 +632,13 @@ def write_dataset(
                 stale.unlink()
             for f in new_files:
                 os.replace(f, target / f.name)
+        kill_point("write:files_moved")
         final_version = out / VERSIONS_DIR / version
         final_version.parent.mkdir(exist_ok=True)
         if final_version.exists():
             shutil.rmtree(final_version)
         os.replace(version_dir, final_version)
+        kill_point("write:version_renamed")
         write_json_atomically(out / MANIFEST, manifest)
     except OSError as e:
         if e.filename is None and e.errno is not None:  # a failed write() names no file: name the version's

@@ -35,6 +35,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,6 +233,22 @@ def content_digest(shards: Sequence[dict[str, Any]]) -> str:
     for shard in shards:
         digest.update(f"{shard['path']}:{shard['sha256']}\n".encode())
     return "sha256:" + digest.hexdigest()
+
+
+def remove_leftovers(out_dir: str | os.PathLike) -> list[str]:
+    """Remove the temporary files and folders (``.*.tmp-*``) a killed build left in a
+    data folder and its work folders; returns what was removed. Call it only while
+    holding the folder's lock: then no live writer owns any of them."""
+    out = Path(out_dir)
+    removed = []
+    for root in (out, *[p for p in (out / "work").rglob("*") if p.is_dir() and ".tmp-" not in p.name]):
+        for leftover in sorted(root.glob(".*.tmp-*")):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+            removed.append(str(leftover.relative_to(out)))
+    return removed
 
 
 def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:

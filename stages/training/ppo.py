@@ -34,9 +34,19 @@ Logged per step to ``OUT/metrics.jsonl``: ``reward_mean`` (reward-model score),
 ``lr``, ``grad_norm``, ``tokens_per_second`` (rollout tokens, all processes, per second
 of the step) and the time spent generating, scoring and training.
 
-Checkpoints: every ``checkpoint_every`` rollouts the actor-critic, optimizer,
-schedule, KL coefficient and RNG states are saved under ``OUT/checkpoints``;
-re-running an unfinished ``OUT`` resumes from the newest (a finished one is a no-op).
+Checkpoints: at the start and every ``checkpoint_every`` rollouts the actor-critic,
+optimizer, schedule, KL coefficient, data position and RNG states are saved under
+``OUT/checkpoints``; re-running an unfinished ``OUT`` resumes from the newest (a
+finished one is a no-op).
+
+Rollback: a rollout whose sampling probabilities, scores or values are not finite,
+an update that leaves non-finite weights, or one whose every minibatch had a
+non-finite gradient (a single such minibatch is skipped and counted) sends the
+run back to the last good checkpoint with the learning rate times
+``rollback.lr_factor``, past the offending prompt batch, as the shared trainer
+does: the outcome is written to ``OUT/checkpoints/rollback.json`` at once, the
+n-th failure in a row goes n-1 checkpoints further back, and more than
+``rollback.max_rollbacks`` in a row ends the run as diverged.
 
 Outputs: ``OUT/model`` (the actor, Hugging Face causal LM + tokenizer),
 ``OUT/value_model`` (the critic, sequence-classification format),
@@ -60,7 +70,10 @@ from accelerate.utils import DistributedType
 from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
 from crawl2chat.stages.training.models import enable_grad_checkpointing, is_checkpointing
 from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
-from crawl2chat.stages.training.trainer import MetricsWriter, build_optimizer, build_scheduler, latest_checkpoint, make_accelerator, peak_memory_mb, save_checkpoint
+from crawl2chat.stages.training.trainer import (MetricsWriter, TrainingDiverged, apply_lr_scale, build_optimizer,
+                                               build_scheduler, discard_checkpoints, good_checkpoints, make_accelerator,
+                                               peak_memory_mb, read_rollback_record, rollback_plan, save_checkpoint,
+                                               write_rollback_record)
 from crawl2chat.stages.training.settings import PPOConfig
 
 # ---------------------------------------------------------------- loss pieces
@@ -203,11 +216,17 @@ class PPOState:
     first: dict[str, Any] | None = None
     totals: dict[str, float] = field(default_factory=lambda: {
         "time_generate": 0.0, "time_score": 0.0, "time_train": 0.0, "optimizer_steps": 0})
+    batch_index: int = 1  # the next prompt batch to draw: the data position (a rollback moves it on)
+    lr_scale: float = 1.0  # product of rollback lr factors so far
+    rollbacks: int = 0
+    consecutive_rollbacks: int = 0
+    failed_step: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = {"batch_index": int(state.get("step", 0)) + 1, **state}  # checkpoints written before it existed
         for k, v in state.items():
             setattr(self, k, v)
 
@@ -245,23 +264,37 @@ class PPORunner:
 
     # ------------------------------------------------------------ rollout
 
-    def prompt_batch(self, step: int) -> list[list[int]]:
-        rng = np.random.default_rng([self.cfg.seed, step, self.acc.process_index])
+    def prompt_batch(self, batch: int) -> list[list[int]]:
+        rng = np.random.default_rng([self.cfg.seed, batch, self.acc.process_index])
         return [self.prompts[i] for i in rng.integers(0, len(self.prompts), self.cfg.rollout_batch_size)]
 
+    def any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any process (every process calls it)."""
+        return float(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum")) > 0
+
     @torch.no_grad()
-    def rollout(self, step: int) -> dict[str, Any]:
+    def rollout(self, batch: int) -> dict[str, Any]:
+        """Sample and score answers to prompt batch ``batch``; ``{"unstable": reason}``
+        instead when a number on the way is not finite (on any process)."""
         c, dev = self.cfg, self.acc.device
         t0 = time.perf_counter()
-        prompts = self.prompt_batch(step)
+        prompts = self.prompt_batch(batch)
         p_ids = pad(prompts, self.pad_id, left=True).to(dev)
         p_mask = pad([[1] * len(p) for p in prompts], 0, p_ids.shape[1], left=True).to(dev)
         P = p_ids.shape[1]
         actor = self.acc.unwrap_model(self.model).actor
         actor.eval()
-        gen = actor.generate(input_ids=p_ids, attention_mask=p_mask, do_sample=True, temperature=c.temperature,
-                             top_k=0, top_p=1.0, max_new_tokens=c.max_new_tokens, eos_token_id=self.eot_id,
-                             pad_token_id=self.pad_id, use_cache=True)
+        try:
+            gen = actor.generate(input_ids=p_ids, attention_mask=p_mask, do_sample=True, temperature=c.temperature,
+                                 top_k=0, top_p=1.0, max_new_tokens=c.max_new_tokens, eos_token_id=self.eot_id,
+                                 pad_token_id=self.pad_id, use_cache=True)
+            failed = False
+        except RuntimeError as e:  # torch.multinomial refuses inf/nan probabilities
+            if "inf" not in str(e) and "nan" not in str(e):
+                raise
+            failed = True
+        if self.any_process(failed):
+            return {"unstable": "non-finite sampling probabilities"}
         resp = gen[:, P:]
         if resp.shape[1] < c.max_new_tokens:
             resp = F.pad(resp, (0, c.max_new_tokens - resp.shape[1]), value=self.pad_id)
@@ -284,6 +317,9 @@ class PPORunner:
         scores = self.rm(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, 0].float()
         mask = r_mask.float()
         rewards, kl = token_rewards(logprobs, ref_logprobs, mask, scores, ended, self.kl.value, c.missing_eos_penalty)
+        finite = all(bool(torch.isfinite(x).all()) for x in (scores, logprobs, ref_logprobs, values))
+        if self.any_process(not finite):
+            return {"unstable": "non-finite scores, log-probabilities or values in the rollout"}
         adv, returns = compute_gae(rewards, values, mask, c.gamma, c.lam)
         adv = masked_whiten(adv, mask, self.reduce)
         t2 = time.perf_counter()
@@ -338,30 +374,110 @@ class PPORunner:
     def mean(self, x: torch.Tensor) -> float:
         return float(self.acc.reduce(x.float().mean().detach(), "mean"))
 
-    def resume(self) -> None:
-        """Continue from the newest checkpoint under ``OUT/checkpoints``, if any."""
-        path = latest_checkpoint(self.ckpt_root)
-        if path is None:
-            return
+    def resume(self) -> bool:
+        """Continue from the newest intact checkpoint under ``OUT/checkpoints``, if any;
+        a rollback recorded after it (``rollback.json``) is applied again."""
+        main = self.acc.is_main_process
+        record = read_rollback_record(self.ckpt_root, self.acc.print)
+        discarded = set(record.get("discard", [])) if record else set()
+        if discarded and main:  # a rollback killed between its record and the discarding
+            discard_checkpoints(self.ckpt_root, discarded)
+            write_rollback_record(self.ckpt_root, {**record, "discard": []})
+        candidates = good_checkpoints(self.ckpt_root, exclude=discarded, main=main, report=self.acc.print)
+        self.acc.wait_for_everyone()
+        if not candidates:
+            return False
+        path = candidates[0]
         self.acc.load_state(str(path))
         self.kl.value = self.state.kl_coef
-        self.metrics.write({"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name})
+        event = {"type": "event", "event": "resume", "step": self.state.step, "checkpoint": path.name}
+        if record and self.state.step <= record["step"]:
+            self._apply_rollback_record(record)
+            event.update(rollbacks=self.state.rollbacks, lr_scale=self.state.lr_scale,
+                         batch_index=self.state.batch_index)
+        self.metrics.write(event)
         self.acc.print(f"resumed from {path} at rollout {self.state.step}")
+        return True
+
+    def _apply_rollback_record(self, record: dict[str, Any]) -> None:
+        s = self.state
+        s.rollbacks, s.lr_scale = record["rollbacks"], record["lr_scale"]
+        s.consecutive_rollbacks, s.failed_step = record["consecutive_rollbacks"], record["failed_step"]
+        s.batch_index = record["batch_index"]
+        apply_lr_scale(self.scheduler, self.optimizer, self.cfg.lr * s.lr_scale)
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def rollback(self, reason: str, batch: int) -> None:
+        """Back to a good checkpoint with a lower learning rate, past prompt batch ``batch``
+        (see the module docstring; the trainer's rollback, for PPO's loop)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        s, rb = self.state, self.cfg.rollback
+        failed_step = s.step + 1
+        consecutive, furthest = rollback_plan(s.step, s.consecutive_rollbacks, s.failed_step)
+        rollbacks, lr_scale = s.rollbacks + 1, s.lr_scale * rb.lr_factor
+        event = {"type": "event", "event": "rollback", "step": failed_step, "batch_index": batch, "reason": reason,
+                 "rollbacks": rollbacks, "consecutive_rollbacks": consecutive}
+        if consecutive > rb.max_rollbacks:
+            self.metrics.write({**event, "event": "diverged"})
+            raise TrainingDiverged(
+                f"PPO diverged at rollout {failed_step} ({reason}) after {consecutive - 1} rollbacks in a row "
+                f"(rollback.max_rollbacks={rb.max_rollbacks}); lower lr or kl_coef")
+        candidates = good_checkpoints(self.ckpt_root, main=self.acc.is_main_process, report=self.acc.print)
+        if not candidates:
+            raise RuntimeError(f"no intact checkpoint under {self.ckpt_root} to roll back to")
+        back = min(consecutive - 1, len(candidates) - 1)
+        path, passed = candidates[back], [p.name for p in candidates[:back]]
+        self.acc.load_state(str(path))
+        self.kl.value = self.state.kl_coef
+        record = {"checkpoint": path.name, "step": self.state.step, "batch_index": batch + 1, "lr_scale": lr_scale,
+                  "rollbacks": rollbacks, "consecutive_rollbacks": consecutive, "failed_step": furthest,
+                  "discard": passed, "reason": reason}
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            write_rollback_record(self.ckpt_root, record)
+            if passed:
+                discard_checkpoints(self.ckpt_root, passed)
+                write_rollback_record(self.ckpt_root, {**record, "discard": []})
+        self.acc.wait_for_everyone()
+        self._apply_rollback_record(record)
+        self.metrics.write({**event, "checkpoint": path.name, "resumed_step": self.state.step, "lr_scale": lr_scale,
+                            "discarded": passed})
+        self.acc.print(f"rollback {rollbacks} ({consecutive} in a row): {reason} at rollout {failed_step}; back to "
+                       f"{path.name}, lr x{lr_scale:.3g}, skipping to prompt batch {self.state.batch_index}")
 
     def run(self) -> dict[str, Any]:
         c = self.cfg
-        self.resume()
-        first, last, totals = self.state.first, None, self.state.totals
+        if not self.resume():
+            # Step 0 checkpoint: the first rollback needs something to return to.
+            save_checkpoint(self.acc, self.ckpt_root, 0, c.keep_checkpoints)
+        last = None
         start_step = self.state.step
         t_start = time.perf_counter()
         self.metrics.write({"type": "event", "event": "start", "step": self.state.step,
                             "world_size": self.acc.num_processes,
                             "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model))})
-        for step in range(self.state.step + 1, c.max_steps + 1):
-            ro = self.rollout(step)
+        while self.state.step < c.max_steps:
+            step, batch = self.state.step + 1, self.state.batch_index
+            ro = self.rollout(batch)
+            if "unstable" in ro:
+                self.rollback(ro["unstable"], batch)
+                continue
             t0 = time.perf_counter()
-            st = self.optimise(ro, step)
+            st = self.optimise(ro, batch)
+            if batch in c.inject_nan_at_batches:
+                with torch.no_grad():
+                    for p in self.acc.unwrap_model(self.model).actor.parameters():
+                        p.fill_(float("nan"))
+            if st["optimizer_steps"] == 0:
+                self.rollback("every minibatch had a non-finite gradient", batch)
+                continue
+            if self.any_process(not self.weights_finite()):
+                self.rollback("non-finite weights after the update", batch)
+                continue
             t_train = time.perf_counter() - t0
+            first, totals = self.state.first, self.state.totals
             kl = self.mean(ro["kl"])
             step_time = ro["time_generate"] + ro["time_score"] + t_train
             # Tokens of the rollout's sequences (prompts and answers, every process) per second of the step.
@@ -386,9 +502,11 @@ class PPORunner:
             self.acc.print(f"ppo step {step}: reward {rec['reward_mean']:.3f} kl {kl:.3f} "
                            f"len {rec['response_length']:.1f} clip {rec['clip_fraction']:.3f}")
             self.state.step, self.state.kl_coef, self.state.first = step, self.kl.value, first
+            self.state.batch_index = batch + 1
             if c.checkpoint_every and step % c.checkpoint_every == 0 and step < c.max_steps:
                 save_checkpoint(self.acc, self.ckpt_root, step, c.keep_checkpoints)
         wall = time.perf_counter() - t_start
+        first, totals = self.state.first, self.state.totals
         busy = totals["time_generate"] + totals["time_score"] + totals["time_train"]
         return {"steps": c.max_steps, "reward_mean_first": first["reward_mean"], "reward_mean_last": last["reward_mean"],
                 "kl_last": last["kl"], "kl_coef_last": self.kl.value, "response_length_last": last["response_length"],
@@ -398,8 +516,8 @@ class PPORunner:
                 "optimizer_steps": totals["optimizer_steps"],
                 "time_share_generate": totals["time_generate"] / busy, "time_share_score": totals["time_score"] / busy,
                 "time_share_train": totals["time_train"] / busy, **totals,
-                "world_size": self.acc.num_processes, "device": str(self.acc.device),
-                "peak_memory_mb": peak_memory_mb(self.acc.device)}
+                "rollbacks": self.state.rollbacks, "world_size": self.acc.num_processes,
+                "device": str(self.acc.device), "peak_memory_mb": peak_memory_mb(self.acc.device)}
 
     def save(self, policy: str, reward: str, summary: dict[str, Any]) -> None:
         acc = self.acc

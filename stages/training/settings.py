@@ -3,8 +3,8 @@ and :class:`TrainConfig` for the stages run by the shared trainer) and each stag
 own. Pure pydantic, so validating them imports neither torch nor Accelerate.
 
 Every field takes effect in its stage or is refused: PPO, which has its own loop,
-refuses the trainer's sequence-length, evaluation, rollback and MFU fields with a
-message naming them (``tests/test_settings_used.py`` walks every field)."""
+refuses the trainer's sequence-length, evaluation and MFU fields and the rollback's
+loss-spike fields with a message naming them (``tests/test_settings_used.py`` walks every field)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ class RollbackConfig(BaseModel):
     lr_factor: float = Field(0.5, gt=0, le=1)  # learning rate multiplier applied at each rollback
     spike_factor: float = Field(4.0, ge=0)  # a loss above spike_factor x mean(recent losses) is a spike; 0 disables
     spike_window: int = Field(32, ge=1)  # number of recent good losses that mean is taken over
+
+
+class PPORollbackConfig(BaseModel):
+    """PPO's rollback: on non-finite numbers only (a PPO loss moves with the rewards, so
+    the trainer's loss-spike test would misfire; its fields are refused by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rollbacks: int = Field(3, ge=0)  # the run fails after this many rollbacks in a row
+    lr_factor: float = Field(0.5, gt=0, le=1)  # learning rate multiplier applied at each rollback
 
 
 class LoopConfig(BaseModel):
@@ -216,15 +226,19 @@ NOT_FOR_PPO = {
     "eval_every": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
     "eval_batches": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
     "peak_flops": "PPO reports no MFU",
-    "rollback": "a non-finite gradient skips its minibatch instead of rolling back",
-    "inject_nan_at_batches": "PPO has no rollback to exercise",
+}
+# PPO's rollback fires on non-finite numbers (sampling, scores, weights), not on loss spikes.
+NOT_FOR_PPO_ROLLBACK = {
+    "spike_factor": "a PPO loss moves with the rewards; PPO rolls back on non-finite numbers only",
+    "spike_window": "a PPO loss moves with the rewards; PPO rolls back on non-finite numbers only",
 }
 
 
 class PPOConfig(LoopConfig):
     """Optimizer, schedule, clipping, precision, checkpoints and seed come from
-    :class:`LoopConfig`. The trainer's ``seq_len``, evaluation, rollback and MFU fields
-    do not apply here and are refused by name (:data:`NOT_FOR_PPO`)."""
+    :class:`LoopConfig`. The trainer's ``seq_len``, evaluation and MFU fields and the
+    rollback's loss-spike fields do not apply here and are refused by name
+    (:data:`NOT_FOR_PPO`, :data:`NOT_FOR_PPO_ROLLBACK`)."""
 
     default_lr: ClassVar[float] = 1e-5
 
@@ -252,14 +266,25 @@ class PPOConfig(LoopConfig):
     kl_horizon: int = 10000
     missing_eos_penalty: float = -1.0  # added to the score of an answer that never ended
     save_value_model: bool = True
+    # A rollout with non-finite sampling probabilities, scores or values, an update that
+    # leaves non-finite weights, or one whose every minibatch had a non-finite gradient
+    # rolls back to the last good checkpoint (max_rollbacks in a row, lr x lr_factor each).
+    rollback: PPORollbackConfig = Field(default_factory=PPORollbackConfig)
+    # Fault injection for exercising the rollback: after the update on these prompt
+    # batches (rollout numbers, counted from 1) the actor's weights are made NaN.
+    inject_nan_at_batches: list[int] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_trainer_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
             given = [k for k in NOT_FOR_PPO if k in data]
-            if given:
-                raise ValueError("; ".join(f"{k} does not apply to PPO ({NOT_FOR_PPO[k]})" for k in given))
+            rollback = data.get("rollback")
+            spikes = [k for k in NOT_FOR_PPO_ROLLBACK if isinstance(rollback, dict) and k in rollback]
+            if given or spikes:
+                raise ValueError("; ".join([f"{k} does not apply to PPO ({NOT_FOR_PPO[k]})" for k in given]
+                                           + [f"rollback.{k} does not apply to PPO ({NOT_FOR_PPO_ROLLBACK[k]})"
+                                              for k in spikes]))
         return data
 
 # ---------------------------------------------------------------- encoder objectives (mlm, span)

@@ -197,6 +197,59 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+# ---------------------------------------------------------------- rollback bookkeeping (Trainer and PPO)
+
+
+def apply_lr_scale(scheduler, optimizer, base_lr: float) -> None:
+    """Set a LambdaLR schedule's base learning rate (a rollback lowers it) and recompute
+    the current lr of every param group from it."""
+    scheduler.base_lrs = [base_lr for _ in optimizer.param_groups]
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+
+
+def read_rollback_record(ckpt_root: Path, say: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """``OUT/checkpoints/rollback.json``: the newest rollback's outcome, or None."""
+    try:
+        return json.loads((ckpt_root / ROLLBACK_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        say(f"{ckpt_root / ROLLBACK_FILE} is unreadable ({type(e).__name__}); ignored")
+        return None
+
+
+def write_rollback_record(ckpt_root: Path, record: dict[str, Any]) -> None:
+    """Write the rollback record atomically and durably (main process only)."""
+    tmp = ckpt_root / f".{ROLLBACK_FILE}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_root / ROLLBACK_FILE)
+
+
+def discard_checkpoints(ckpt_root: Path, names: Iterable[str]) -> None:
+    """Remove checkpoints a rollback fell back past (renamed aside first, so a kill
+    midway never leaves a half-deleted folder that looks like a checkpoint)."""
+    for name in names:
+        path = ckpt_root / name
+        if path.is_dir():
+            aside = path.with_name(path.name + ".discarded")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def rollback_plan(step: int, consecutive: int, failed_step: int) -> tuple[int, int]:
+    """For a failure at ``step + 1``: (failures in a row including this one, the furthest
+    failed step of that run). Failures in a row are those with no step past the
+    furthest failed one in between."""
+    failed = step + 1
+    in_a_row = consecutive > 0 and step < failed_step
+    return (consecutive + 1 if in_a_row else 1), (max(failed_step, failed) if in_a_row else failed)
+
+
 def checkpoints(root: str | os.PathLike) -> list[Path]:
     """Every complete checkpoint folder under ``root``, oldest first (unverified)."""
     root = Path(root)
@@ -515,46 +568,25 @@ class Trainer:
 
     def _apply_lr_scale(self) -> None:
         """Base learning rates follow the rollback scale; the current lr is recomputed from them."""
-        self.scheduler.base_lrs = [self.cfg.lr * self.state.lr_scale for _ in self.optimizer.param_groups]
-        for group, base, fn in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
-            group["lr"] = base * fn(self.scheduler.last_epoch)
+        apply_lr_scale(self.scheduler, self.optimizer, self.cfg.lr * self.state.lr_scale)
 
     def _report(self, message: str) -> None:
         self.acc.print(message)
         self.metrics.write({"type": "event", "event": "damaged_checkpoint", "message": message})
 
     def _read_rollback_record(self) -> dict[str, Any] | None:
-        try:
-            return json.loads((self.ckpt_root / ROLLBACK_FILE).read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            self.acc.print(f"{self.ckpt_root / ROLLBACK_FILE} is unreadable ({type(e).__name__}); ignored")
-            return None
+        return read_rollback_record(self.ckpt_root, self.acc.print)
 
     def _write_rollback_record(self, record: dict[str, Any]) -> None:
         """The rollback's outcome, on disk before training goes on: a run killed before
         its next checkpoint resumes with the lowered lr and past the bad batch."""
-        if not self.acc.is_main_process:
-            return
-        tmp = self.ckpt_root / f".{ROLLBACK_FILE}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.ckpt_root / ROLLBACK_FILE)
+        if self.acc.is_main_process:
+            write_rollback_record(self.ckpt_root, record)
 
     def _discard(self, names: Iterable[str]) -> None:
         """Checkpoints a rollback fell back past: renamed aside (by the main process)."""
-        if not self.acc.is_main_process:
-            return
-        for name in names:
-            path = self.ckpt_root / name
-            if path.is_dir():
-                aside = path.with_name(path.name + ".discarded")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(path, aside)
-                shutil.rmtree(aside, ignore_errors=True)
+        if self.acc.is_main_process:
+            discard_checkpoints(self.ckpt_root, names)
 
     def _apply_rollback_record(self, record: dict[str, Any]) -> None:
         s = self.state
@@ -601,9 +633,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         s = self.state
         failed_step = s.step + 1
-        in_a_row = s.consecutive_rollbacks > 0 and s.step < s.failed_step
-        consecutive = s.consecutive_rollbacks + 1 if in_a_row else 1
-        furthest = max(s.failed_step, failed_step) if in_a_row else failed_step
+        consecutive, furthest = rollback_plan(s.step, s.consecutive_rollbacks, s.failed_step)
         rollbacks = s.rollbacks + 1
         lr_scale = s.lr_scale * self.cfg.rollback.lr_factor
         event = {"type": "event", "event": "rollback", "step": failed_step, "batch_index": batch_index,

@@ -1,5 +1,5 @@
 """Fixtures of the fault tests: a tiny corpus and tokenizer, tiny SFT data, and
-uninterrupted reference runs of pretraining and SFT to compare killed runs against."""
+uninterrupted reference runs of pretraining, SFT and the reward model to compare killed runs against."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from crawl2chat.infra.fault_drill import pretrain_spec, rerun, sft_spec, tiny_inputs
+from crawl2chat.infra.fault_drill import pretrain_spec, rerun, reward_spec, sft_spec, tiny_inputs
 
 
 @pytest.fixture(scope="session")
@@ -33,4 +33,12 @@ def sft_reference(fault_root, corpus, pretrain_reference) -> Path:
     """The uninterrupted SFT run on the reference base model."""
     out = fault_root / "sft-reference"
     rerun(sft_spec(corpus, pretrain_reference / "model", out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def reward_reference(fault_root, corpus, sft_reference) -> Path:
+    """The uninterrupted reward-model run on the reference SFT model."""
+    out = fault_root / "reward-reference"
+    rerun(reward_spec(corpus, sft_reference / "model", out))
     return out

@@ -1,6 +1,6 @@
 """SIGKILL a training run's owner (the process running ``launch_training``, as the CLI
 and the Prefect task do), its ``accelerate launch`` or its rank at seeded points of a
-tiny pretraining and a tiny SFT run; after each kill no process of the run is left,
+tiny pretraining, SFT, reward-model, DPO and PPO run; after each kill no process of the run is left,
 and rerunning the same launch gives bitwise the weights of an uninterrupted run.
 While a run is going, a second launch on its folder is refused naming the holder."""
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from crawl2chat.infra.fault_drill import (PRETRAIN_STEPS, SFT_STEPS, KillPoint, kill_at, pretrain_spec, rerun,
-                                          same_weights, sft_spec)
+from crawl2chat.infra.fault_drill import (DPO_STEPS, PPO_STEPS, PRETRAIN_STEPS, REWARD_STEPS, SFT_STEPS, KillPoint,
+                                          dpo_spec, kill_at, ppo_spec, pretrain_spec, rerun, reward_spec, same_weights,
+                                          sft_spec)
 from crawl2chat.infra.launch import accelerate_command
 from crawl2chat.stages.locks import FolderBusy
 from crawl2chat.stages.training.registry import STAGES
@@ -27,6 +28,9 @@ _rng = random.Random(20251203)
 PRETRAIN_POINTS = [KillPoint("owner", _rng.randint(12, 35)), KillPoint("rank", _rng.randint(12, 35)),
                    KillPoint("launcher", _rng.randint(10, 25), during_save=True)]
 SFT_POINTS = [KillPoint("owner", _rng.randint(8, 25)), KillPoint("rank", _rng.randint(8, 25))]
+# One seeded kill of each of the stages after SFT, past their first checkpoint.
+LATER_POINTS = {"reward": KillPoint("rank", _rng.randint(12, 25)), "dpo": KillPoint("owner", _rng.randint(12, 25)),
+                "ppo": KillPoint("owner", _rng.randint(5, 10))}
 
 
 def _second_writers_refused(spec: dict):
@@ -75,6 +79,20 @@ def test_sft_killed_then_rerun_is_exact(fault_root, corpus, pretrain_reference, 
     first = point is SFT_POINTS[0]
     _drill(spec, point, sft_reference, on_running=_second_writers_refused(spec) if first else None)
     assert json.loads((fault_root / spec["out"] / "metrics.json").read_text())["steps"] == SFT_STEPS
+
+
+@pytest.mark.parametrize("stage", sorted(LATER_POINTS))
+def test_later_stage_killed_then_rerun_is_exact(fault_root, corpus, sft_reference, reward_reference, stage):
+    """The reward model, DPO and PPO (rollouts, RNG and KL coefficient included) resume bitwise too."""
+    sft, point = sft_reference / "model", LATER_POINTS[stage]
+    make = {"reward": lambda out: reward_spec(corpus, sft, out), "dpo": lambda out: dpo_spec(corpus, sft, out),
+            "ppo": lambda out: ppo_spec(corpus, sft, reward_reference / "model", out)}[stage]
+    reference = reward_reference if stage == "reward" else fault_root / f"{stage}-reference"
+    if stage != "reward":
+        rerun(make(reference))
+    _drill(make(fault_root / f"{stage}-{point}".replace("@", "-")), point, reference)
+    steps = {"reward": REWARD_STEPS, "dpo": DPO_STEPS, "ppo": PPO_STEPS}[stage]
+    assert json.loads((fault_root / f"{stage}-{point}".replace("@", "-") / "metrics.json").read_text())["steps"] == steps
 
 
 def test_damaged_checkpoint_is_passed_over(fault_root, corpus, pretrain_reference):

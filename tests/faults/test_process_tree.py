@@ -143,3 +143,36 @@ def test_a_rerun_waits_for_a_dying_holder_not_for_a_live_one(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+HELD = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from crawl2chat.stages.lifetime import hold_lifeline
+    hold_lifeline()
+    # A server started the way Prefect starts its local API: no parent-death signal,
+    # a session of its own; and one that retitles itself as Ray's agents do.
+    a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], start_new_session=True)
+    b = subprocess.Popen([sys.executable, '-c', 'import ctypes, time; ctypes.CDLL(None).prctl(15, b"ray::Agent", 0, 0, 0); '
+                          'time.sleep(600)', sys.argv[1]], start_new_session=True)
+    print(a.pid, b.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
+def test_processes_outside_the_launch_path_die_with_a_command_holding_its_lifeline(tmp_path, sig):
+    """A command (the CLI holds a lifeline from its first line) whose children were started
+    by libraries, out of its process group and without a parent-death signal: when the
+    command is killed, its reaper kills them."""
+    import psutil
+
+    tag = f"lifeline-{os.getpid()}-{sig.name}"
+    command = subprocess.Popen([sys.executable, "-c", HELD, tag], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    children = [psutil.Process(int(p)) for p in command.stdout.readline().split()]
+    assert len(children) == 2 and all(c.is_running() for c in children)
+    os.kill(command.pid, sig)
+    command.wait(timeout=30)
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert alive == [], [p.cmdline() for p in alive]
+    assert wait_until_gone(tag, timeout=5) == []
