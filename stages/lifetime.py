@@ -199,14 +199,15 @@ def carrying(token: str) -> list[int]:
     return found
 
 
-def reap(token: str, rounds: int = 5) -> list[int]:
-    """Kill every process carrying ``token``; a few rounds, for those started meanwhile."""
+def reap(token: str, settle: float = 2.0, limit: float = 30.0) -> list[int]:
+    """Kill every process carrying ``token``, scanning again until none has been seen
+    for ``settle`` seconds (a process may be starting while its parent is killed), or
+    ``limit`` seconds have passed."""
     killed: list[int] = []
-    for _ in range(rounds):
-        pids = carrying(token)
-        if not pids:
-            break
-        for pid in pids:
+    start = last_seen = time.monotonic()
+    while time.monotonic() - last_seen < settle and time.monotonic() - start < limit:
+        for pid in carrying(token):
+            last_seen = time.monotonic()
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
