@@ -259,22 +259,22 @@ def _steps(out: Path) -> dict[int, dict]:
 # compare one for one with an uninterrupted run's), a small queue with hard negatives.
 TINY = ["preset=tiny", "seq_len=64", "micro_batch_size=32", "lr=3e-3", "min_lr=3e-4", "warmup_steps=5",
         "schedule=constant", "eval_every=0", "eval_batches=4", "val_fraction=0.2", "vocab_size=400",
-        "rollback.spike_factor=0", "queue_size=256", "hard_negatives=64", "checkpoint_every=25"]
+        "rollback.spike_factor=0", "queue_size=256", "hard_negatives=64", "checkpoint_every=35"]
 
 
 @pytest.fixture(scope="module")
 def trained(cluster_data, tmp_path_factory) -> Path:
-    """30 steps of the stage under ``accelerate launch`` on the cluster data."""
+    """40 steps of the stage under ``accelerate launch`` on the cluster data."""
     from crawl2chat.tasks.train import launch_training
 
     out = tmp_path_factory.mktemp("contrastive-run") / "contrastive"
-    launch_training("contrastive", {"data": str(cluster_data)}, str(out), max_steps=30, overrides=TINY)
+    launch_training("contrastive", {"data": str(cluster_data)}, str(out), max_steps=40, overrides=TINY)
     return out
 
 
 def test_learns_from_dedup_clusters(trained):
     m = json.loads((trained / "metrics.json").read_text())
-    assert (m["positives"], m["retrieval_positives"], m["steps"]) == ("clusters", "dedup_clusters", 30)
+    assert (m["positives"], m["retrieval_positives"], m["steps"]) == ("clusters", "dedup_clusters", 40)
     assert m["train_pairs"] + m["held_out_pairs"] == 160 and m["retrieval_pairs"] == m["held_out_pairs"] >= 20
     assert m["queue_filled"] == 256
     # Held-out clusters (copies and kept articles training never saw): well above the same
@@ -300,15 +300,15 @@ def test_saved_encoder_loads_as_automodel_and_ranks_as_recorded(trained, cluster
 
 
 def test_resumes_exactly(trained, cluster_data):
-    """A longer run on the same folder resumes from step 25's checkpoint and repeats steps
-    26..30 exactly: same pairs, same dropout, same queue and momentum encoder."""
+    """A longer run on the same folder resumes from step 35's checkpoint and repeats steps
+    36..40 exactly: same pairs, same dropout, same queue and momentum encoder."""
     from crawl2chat.tasks.train import launch_training
 
     first = _steps(trained)
-    launch_training("contrastive", {"data": str(cluster_data)}, str(trained), max_steps=32, overrides=TINY)
+    launch_training("contrastive", {"data": str(cluster_data)}, str(trained), max_steps=42, overrides=TINY)
     resumes = [r for r in read_metrics(trained / "metrics.jsonl") if r.get("event") == "resume"]
-    assert len(resumes) == 1 and resumes[0]["step"] == 25
+    assert len(resumes) == 1 and resumes[0]["step"] == 35
     again = _steps(trained)
-    assert json.loads((trained / "metrics.json").read_text())["steps"] == 32
-    for s in range(26, 31):
+    assert json.loads((trained / "metrics.json").read_text())["steps"] == 42
+    for s in range(36, 41):
         assert again[s]["loss"] == pytest.approx(first[s]["loss"], rel=1e-6, abs=1e-7), s
