@@ -27,7 +27,7 @@ from crawl2chat.stages.data.settings import (AugmentConfig, BalanceConfig, Crawl
                                              QualityConfig, ReviewConfig)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.settings import DPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig
-from crawl2chat.stages.training.settings import DistillConfig, MLMConfig, SpanConfig
+from crawl2chat.stages.training.settings import ContrastiveConfig, DistillConfig, MLMConfig, SpanConfig
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -270,6 +270,15 @@ class SpanStage(TrainStage):
     train: SpanConfig = Field(default_factory=_demo_encoder(SpanConfig), description="Training settings.")
 
 
+class ContrastiveStage(TrainStage):
+    out: str = "runs/contrastive"
+    registered_name: str | None = STAGES["contrastive"].registered_name
+    train: ContrastiveConfig = Field(default_factory=lambda: ContrastiveConfig(
+        preset="tiny", vocab_size=2048, seq_len=64, micro_batch_size=32, max_steps=200, warmup_steps=20, lr=1e-3,
+        min_lr=1e-4, eval_every=100, eval_batches=5, checkpoint_every=100, val_fraction=0.1, queue_size=4096),
+        description="Training settings.")
+
+
 class DistillStage(TrainStage):
     out: str = "runs/distill"
     registered_name: str | None = STAGES["distill"].registered_name
@@ -313,6 +322,7 @@ class Config(BaseModel):
     mlm: MLMStage = Field(default_factory=MLMStage)
     span: SpanStage = Field(default_factory=SpanStage)
     distill: DistillStage = Field(default_factory=DistillStage)
+    contrastive: ContrastiveStage = Field(default_factory=ContrastiveStage)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 

@@ -258,3 +258,35 @@ def test_readable_records_of_a_truncated_copy_are_repeats(ray_local, tmp_path):
     whole_docs = {d["id"]: d["text"] for d in WarcReader().run(str(inputs / "a.warc.gz"))}
     assert {i: r["text"] for i, r in rows.items()} == whole_docs
     assert manifest["documents_kept"] + manifest["documents_dropped"] == results[0].rows_in == 9
+
+
+def test_near_duplicates_are_quarantined_with_the_document_their_cluster_kept(ray_local, tmp_path):
+    """Each copy MinHash drops names, in the version's quarantine, the kept document of its
+    cluster (``dup_cluster``), which the contrastive stage reads as a positive pair."""
+    from crawl2chat.stages.training.contrastive import cluster_pairs
+
+    inputs = tmp_path / "in"
+    write_warc(inputs / "a.warc.gz", range(6))
+    # A mirror of pages 0..2: the same prose under other addresses, a few words changed.
+    with open(inputs / "mirror.warc.gz", "wb") as f:
+        writer = WARCWriter(f, gzip=True)
+        for n in range(3):
+            body = page_html(n).replace("river", "creek", 1).replace("bridge", "ford", 1).encode()
+            http = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
+            writer.write_record(writer.create_warc_record(
+                f"http://mirror.example.net/copy{n}", "response", payload=io.BytesIO(body), length=len(body),
+                http_headers=http, warc_headers_dict={"WARC-Date": "2024-05-01T00:00:00Z"}))
+    out = tmp_path / "data"
+    cfg = load_config(overrides={"data.out": str(out), "data.dedup.num_shards": 4})
+    _, manifest = run_all(cfg, [str(inputs / "a.warc.gz"), str(inputs / "mirror.warc.gz")], out)
+
+    by_id = {r["id"]: r for r in shard_rows(out)}
+    rejected = pq.read_table([out / r for r in manifest["rejected"]]).to_pylist()
+    near = [r for r in rejected if r["reason"] in ("dedup:near", "dedup:exact")]
+    assert len(near) == 3 and len(by_id) == 6
+    for r in near:  # each copy names the page of its own number, whichever of the two was kept
+        assert r["dup_cluster"] in by_id and by_id[r["dup_cluster"]]["url"][-1] == r["url"][-1]
+    assert all(r["dup_cluster"] is None for r in rejected if not r["reason"].startswith("dedup:"))
+    pairs = cluster_pairs(out)
+    assert sorted((p["cluster"], p["query"]) for p in pairs) == sorted((r["dup_cluster"], r["text"]) for r in near)
+    assert all(p["positive"] == by_id[p["cluster"]]["text"] for p in pairs)

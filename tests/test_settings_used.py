@@ -31,6 +31,7 @@ MODULES = {
     S.PPOConfig: ("ppo", "trainer"),
     S.MLMConfig: ("mlm", "encoders", "trainer"),
     S.SpanConfig: ("span", "encoders", "trainer"),
+    S.ContrastiveConfig: ("contrastive", "encoders", "trainer"),
 }
 
 # What every stage run by the shared Trainer reads, and where.
@@ -72,6 +73,12 @@ EVIDENCE: dict[type, dict[str, str]] = {
                                                          "tokenizer_max_docs", "val_fraction", "eval_batches",
                                                          "noise_density", "mean_span_length", "num_sentinels")},
                    **{f: "span" for f in ("preset", "grad_checkpointing")}},
+    S.ContrastiveConfig: {**TRAINER, **{f: "encoders" for f in ("vocab_size", "tokenizer_type", "tokenizer_max_docs",
+                                                                "val_fraction", "eval_batches")},
+                          **{f: "contrastive" for f in ("seq_len", "tokenizer", "preset", "grad_checkpointing",
+                                                        "temperature", "pooling", "dropout", "queue_size", "momentum",
+                                                        "hard_negatives", "hard_negative_weight", "positives",
+                                                        "init_encoder", "retrieval_pairs")}},
     S.RollbackConfig: {"max_rollbacks": "trainer", "lr_factor": "trainer", "spike_factor": "trainer",
                        "spike_window": "trainer"},
     S.PPORollbackConfig: {"max_rollbacks": "ppo", "lr_factor": "ppo"},

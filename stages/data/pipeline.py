@@ -688,5 +688,9 @@ def _rejected_rows(batch: pa.Table) -> pa.Table:
             "source": batch["source"],
             "lang": batch["lang"] if "lang" in batch.column_names else pa.nulls(batch.num_rows, pa.string()),
             "text": batch["text"],
+            # A duplicate names the document its cluster kept (a repeated record: its own id),
+            # so later stages can pair the two (free positives for the contrastive stage).
+            "dup_cluster": (batch["dup_cluster"].cast(pa.string()) if "dup_cluster" in batch.column_names
+                            else pa.nulls(batch.num_rows, pa.string())),
         }
     )

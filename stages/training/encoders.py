@@ -133,12 +133,15 @@ class CorruptedWindows:
     and its corruption; the global batch's rows are dealt to (micro step, rank)
     pairs as in pretraining, so the data does not depend on the process layout.
     Held-out window ``j`` (consecutive from the start of ``val.bin``) uses
-    ``(seed, 1, j)``."""
+    ``(seed, 1, j)``. With ``with_offsets`` a training batch also carries each
+    window's offset in ``train.bin`` (``text_ids``), which tells overlapping windows apart."""
 
     def __init__(self, data_dir: Path, cfg: EncoderPretrainConfig, window_len: int,
-                 corrupt: Callable[[np.ndarray, np.random.Generator], dict[str, np.ndarray]]):
+                 corrupt: Callable[[np.ndarray, np.random.Generator], dict[str, np.ndarray]],
+                 with_offsets: bool = False):
         self.train, self.val = open_tokens(data_dir, "train"), open_tokens(data_dir, "val")
         self.cfg, self.window_len, self.corrupt = cfg, window_len, corrupt
+        self.with_offsets = with_offsets
         if len(self.train) <= window_len:
             raise ValueError(f"training split has {len(self.train)} tokens; seq_len={cfg.seq_len} needs more "
                              f"(add data or lower seq_len)")
@@ -156,7 +159,10 @@ class CorruptedWindows:
         for g in range(first, first + c.micro_batch_size):
             rng = np.random.default_rng([c.seed, 0, batch_index, g])
             start = int(rng.integers(0, len(self.train) - self.window_len))
-            rows.append(self.corrupt(np.asarray(self.train[start:start + self.window_len], dtype=np.int64), rng))
+            row = self.corrupt(np.asarray(self.train[start:start + self.window_len], dtype=np.int64), rng)
+            if self.with_offsets:
+                row["text_ids"] = np.int64(start)
+            rows.append(row)
         return self._stack(rows)
 
     def eval_batches(self, rank: int, world: int) -> Iterator[dict[str, torch.Tensor]]:

@@ -177,4 +177,22 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         prepare_on_host=True,
         options=(("preset", "Student preset: tiny, cpu-small, cpu, 124m, 1b."),),
     ),
+    TrainingStage(
+        name="contrastive",
+        module="crawl2chat.stages.training.contrastive",
+        goal="Train a BERT sentence encoder by contrastive learning (SimCSE: the data stage's near-duplicate "
+             "clusters as positives, else two dropout views; InfoNCE over in-batch negatives and a momentum "
+             "encoder's queue, optional hard negatives).",
+        inputs=(StageInput("data", "A data-stage output folder (its current version) or a plain text file.",
+                           "runs/data"),),
+        registered_name="crawl2chat-embedder",
+        evaluation=None,  # held-out retrieval (top-1, MRR) is measured in training (metrics.json)
+        report=lambda s: f"retrieval top-1 {_fmt(s, 'retrieval_top1')} (untrained {_fmt(s, 'initial_retrieval_top1')}, "
+                         f"chance {_fmt(s, 'retrieval_chance_top1')}), MRR {_fmt(s, 'retrieval_mrr')} "
+                         f"(untrained {_fmt(s, 'initial_retrieval_mrr')}) on {s.get('retrieval_pairs', 'n/a')} "
+                         f"held-out {s.get('retrieval_positives', '')} pairs; positives: {s.get('positives', 'n/a')}",
+        prepare_on_host=True,
+        artifact_dirs=("tokenizer",),
+        options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
+    ),
 )}

@@ -343,6 +343,39 @@ class SpanConfig(EncoderPretrainConfig):
         return self
 
 
+# ---------------------------------------------------------------- contrastive sentence embeddings
+
+MAX_QUEUE = 262_144  # queue entries at most: 768 MB of fp32 embeddings at BERT-base width
+
+
+class ContrastiveConfig(EncoderPretrainConfig):
+    """SimCSE-style training of a BERT encoder (Gao et al., 2021): InfoNCE at ``temperature``
+    picks each row's positive (the kept document of its near-duplicate cluster, or the row
+    itself encoded again with another dropout mask) among the batch's other positives and
+    the queue of a momentum encoder's past embeddings (MoCo, He et al., 2020)."""
+
+    seq_len: int = Field(64, ge=16)  # tokens per window, with <|cls|> and <|sep|>
+    temperature: float = Field(0.05, gt=0)  # InfoNCE temperature on cosine similarities
+    pooling: Literal["mean", "cls"] = "mean"  # sentence embedding: mean of the token states, or <|cls|>'s
+    dropout: float = Field(0.1, ge=0, lt=1)  # hidden and attention dropout: the augmentation
+    queue_size: int = Field(65_536, ge=0, le=MAX_QUEUE)  # past momentum embeddings kept as negatives; 0: none
+    momentum: float = Field(0.9, ge=0, le=1)  # momentum encoder: new = momentum * old + (1 - momentum) * online
+    hard_negatives: int = Field(0, ge=0)  # per query, only its k most similar queue entries are negatives; 0: all
+    hard_negative_weight: float = Field(1.0, gt=0)  # weight of each queue negative in the InfoNCE denominator
+    # A row's positive: the kept document of its near-duplicate cluster (the data stage's dedup
+    # clusters), or its own second dropout view; auto: clusters when the data has at least
+    # micro_batch_size training pairs.
+    positives: Literal["auto", "clusters", "dropout"] = "auto"
+    init_encoder: str | None = None  # an `mlm` model folder to start from (its tokenizer and held-out split)
+    retrieval_pairs: int = Field(200, ge=2)  # held-out positive pairs the retrieval figures are measured on
+
+    @model_validator(mode="after")
+    def _hard_negatives_in_queue(self):
+        if self.hard_negatives > self.queue_size:
+            raise ValueError(f"hard_negatives={self.hard_negatives} exceeds queue_size={self.queue_size}")
+        return self
+
+
 # ---------------------------------------------------------------- distillation
 
 class DistillConfig(TrainConfig):

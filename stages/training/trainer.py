@@ -356,6 +356,7 @@ EvalBatchesFn = Callable[[int, int], Iterable[dict[str, torch.Tensor]]]
 
 
 CUSTOM_STATE = "custom_state_{}.json"  # in a checkpoint: the i-th object registered for checkpointing
+CUSTOM_TENSORS = "custom_state_{}.safetensors"  # and its tensors, when it has any (``tensor_state_dict``)
 PICKLED_CUSTOM_STATE = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # Accelerate's own form of them
 
 
@@ -369,6 +370,10 @@ class JsonStateAccelerator(Accelerator):
     ``json``; the rest of a checkpoint is safetensors (the models) or files Accelerate
     itself loads with ``torch.load(weights_only=True)`` (optimizer, RNG states). A
     checkpoint that holds pickled registered objects is refused by name, never unpickled.
+
+    A registered object with tensors (a queue of embeddings, a momentum encoder) also
+    offers ``tensor_state_dict()`` and ``load_tensor_state_dict(tensors)``: they go to
+    ``custom_state_<i>.safetensors`` beside its JSON, loaded after it.
     """
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
@@ -385,6 +390,11 @@ class JsonStateAccelerator(Accelerator):
                 except TypeError as e:
                     raise TypeError(f"{type(obj).__name__}.state_dict() is not plain data for {path.name}: {e}") from e
                 path.write_text(text)
+                if hasattr(obj, "tensor_state_dict"):
+                    from safetensors.torch import save_file
+
+                    tensors = {k: v.detach().contiguous().cpu() for k, v in obj.tensor_state_dict().items()}
+                    save_file(tensors, str(Path(location) / CUSTOM_TENSORS.format(i)))
         return location
 
     def load_state(self, input_dir=None, **kwargs):
@@ -405,6 +415,13 @@ class JsonStateAccelerator(Accelerator):
             except (OSError, ValueError) as e:
                 raise ValueError(f"checkpoint file {path} is missing or unreadable: {e}") from e
             obj.load_state_dict(state)
+            if hasattr(obj, "load_tensor_state_dict"):
+                from safetensors.torch import load_file
+
+                tensors_path = folder / CUSTOM_TENSORS.format(i)
+                if not tensors_path.is_file():
+                    raise ValueError(f"checkpoint file {tensors_path} is missing")
+                obj.load_tensor_state_dict(load_file(str(tensors_path)))
         return result
 
 
@@ -447,12 +464,14 @@ class Trainer:
         eval_batches_fn: EvalBatchesFn | None = None,
         flops_per_token: float | None = None,
         eval_extra: Callable[[float], dict[str, float]] | None = None,
+        after_step: Callable[[], None] | None = None,
     ):
         self.cfg, self.acc = cfg, accelerator
         self.out = Path(out_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.batch_fn, self.loss_fn = batch_fn, loss_fn
         self.eval_batches_fn, self.eval_extra = eval_batches_fn, eval_extra
+        self.after_step = after_step  # run after each optimizer step (e.g. a momentum encoder's update)
         self.flops_per_token = flops_per_token
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.world
@@ -521,6 +540,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.after_step is not None:
+            self.after_step()
         s = self.state
         s.step += 1
         s.batch_index += 1
