@@ -17,7 +17,7 @@ end and compared with the clean run's weights, bitwise. A kill point is
 *survived* when nothing was left running and the rerun's weights equal the
 clean run's.
 
-    python benchmarks/bench_faults.py [--out DIR] [--seed 7] [--stages data,pretrain,sft]
+    python benchmarks/bench_faults.py [--out DIR] [--seed 7] [--stages data,pretrain,sft,reward,dpo,ppo]
 
 Prints a table and one JSON document, also written to OUT/bench_faults.json.
 """
@@ -31,17 +31,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from crawl2chat.infra.fault_drill import (DATA_COMMIT_POINTS, DATA_STEPS, PRETRAIN_STEPS, SFT_STEPS, data_result,
-                                          drill_warc, kill_at, pretrain_spec, rerun, run_data, same_weights,
+from crawl2chat.infra.fault_drill import (DATA_COMMIT_POINTS, DATA_STEPS, DPO_STEPS, PPO_STEPS, PRETRAIN_STEPS,
+                                          REWARD_STEPS, SFT_STEPS, data_result, dpo_spec, drill_warc, kill_at,
+                                          ppo_spec, pretrain_spec, rerun, reward_spec, run_data, same_weights,
                                           seeded_points, sft_spec, tiny_inputs)
 
 
-def drill_stage(stage: str, make_spec, clean_out: Path, root: Path, seed: int, max_steps: int) -> dict:
+def drill_stage(stage: str, make_spec, clean_out: Path, root: Path, seed: int, max_steps: int,
+                checkpoint_every: int = 10) -> dict:
     t0 = time.monotonic()
     rerun(make_spec(clean_out))
     clean_seconds = time.monotonic() - t0
     rows = []
-    for i, point in enumerate(seeded_points(seed, max_steps, 10)):
+    for i, point in enumerate(seeded_points(seed, max_steps, checkpoint_every)):
         spec = make_spec(root / f"{stage}-kill-{i}")
         row = {"point": str(point)}
         try:
@@ -94,24 +96,37 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="working folder (default: a temporary one, removed afterwards)")
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--stages", default="data,pretrain,sft")
+    p.add_argument("--stages", default="data,pretrain,sft,reward,dpo,ppo")
     args = p.parse_args(argv)
     root = Path(args.out or tempfile.mkdtemp(prefix="bench-faults-")).resolve()
     stages = [s for s in args.stages.split(",") if s]
     try:
         inputs = tiny_inputs(root)
         results = [drill_data(root)] if "data" in stages else []
-        clean_pretrain = root / "pretrain-clean"
-        if "pretrain" in stages or "sft" in stages:
-            pre = drill_stage("pretrain", lambda out: pretrain_spec(inputs, out), clean_pretrain, root, args.seed,
-                              PRETRAIN_STEPS) if "pretrain" in stages else None
-            if pre:
-                results.append(pre)
-            elif not (clean_pretrain / "model").exists():
-                rerun(pretrain_spec(inputs, clean_pretrain))
+        clean_pretrain, clean_sft, clean_reward = root / "pretrain-clean", root / "sft-clean", root / "reward-clean"
+        later = {"reward", "dpo", "ppo"} & set(stages)
+        if "pretrain" in stages:
+            results.append(drill_stage("pretrain", lambda out: pretrain_spec(inputs, out), clean_pretrain, root,
+                                       args.seed, PRETRAIN_STEPS))
+        elif "sft" in stages or later:
+            rerun(pretrain_spec(inputs, clean_pretrain))
+        sft = clean_sft / "model"
         if "sft" in stages:
-            results.append(drill_stage("sft", lambda out: sft_spec(inputs, clean_pretrain / "model", out),
-                                       root / "sft-clean", root, args.seed + 1, SFT_STEPS))
+            results.append(drill_stage("sft", lambda out: sft_spec(inputs, clean_pretrain / "model", out), clean_sft,
+                                       root, args.seed + 1, SFT_STEPS))
+        elif later:
+            rerun(sft_spec(inputs, clean_pretrain / "model", clean_sft))
+        if "reward" in stages:
+            results.append(drill_stage("reward", lambda out: reward_spec(inputs, sft, out), clean_reward, root,
+                                       args.seed + 2, REWARD_STEPS))
+        elif "ppo" in stages:
+            rerun(reward_spec(inputs, sft, clean_reward))
+        if "dpo" in stages:
+            results.append(drill_stage("dpo", lambda out: dpo_spec(inputs, sft, out), root / "dpo-clean", root,
+                                       args.seed + 3, DPO_STEPS))
+        if "ppo" in stages:
+            results.append(drill_stage("ppo", lambda out: ppo_spec(inputs, sft, clean_reward / "model", out),
+                                       root / "ppo-clean", root, args.seed + 4, PPO_STEPS, checkpoint_every=4))
         print(f"{'stage':9} {'kill point':28} {'killed at':>9} {'orphans':>7} {'rerun s':>8} {'same':>5}")
         for res in results:
             for r in res["kill_points"]:

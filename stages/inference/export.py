@@ -39,6 +39,7 @@ import torch
 from crawl2chat.stages.inference.generation import (SERVING_FILE, SamplingParams, load_model, quantize_int8, stop_token_ids,
                                           stream_tokens)
 from crawl2chat.stages.checksums import CHECKSUMS, write_checksums
+from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.training.tokenizer import CHAT_TEMPLATE
 
@@ -169,14 +170,34 @@ def export_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quant
 
 
 def _export(src: Path, out: Path, quantize: str | None, data, max_new_tokens: int, compile_check: bool) -> dict:
-    if out.resolve() != src.resolve():
+    """Into a separate ``out``: built in a temporary sibling folder and swapped into place
+    whole, so a killed export leaves the previous export (if any) untouched and the rerun
+    starts afresh; in place (``out`` is the model folder), the files are added there."""
+    if out.resolve() == src.resolve():
+        return _build(src, out, quantize, data, max_new_tokens, compile_check)
+    for leftover in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed export (we hold the lock)
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(REPORT, SERVING_FILE, CHECKSUMS))
+    try:
+        report = _build(src, tmp, quantize, data, max_new_tokens, compile_check, final=out)
+        kill_point("export:built")
+        old = out.parent / f".{out.name}.tmp-old-{os.getpid()}"
         if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(src, out, ignore=shutil.ignore_patterns(REPORT, SERVING_FILE, CHECKSUMS))
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _build(src: Path, out: Path, quantize: str | None, data, max_new_tokens: int, compile_check: bool,
+           final: Path | None = None) -> dict:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(out))
-    report: dict = {"source": str(src.resolve()), "out": str(out.resolve())}
+    report: dict = {"source": str(src.resolve()), "out": str((final or out).resolve())}
     report["generation_config"] = write_generation_config(out, tok, max_new_tokens)
     ensure_chat_template(out)
     report["reload"] = check_reload(src, out)
