@@ -178,12 +178,36 @@ def _step_task(name: str):
     return decorate
 
 
-def _recorded_step(name: str, params: dict, run: Callable[[], StepResult],
-                   extra_logging: Callable[[StepResult], None] | None = None) -> StepResult:
-    """Run one Ray Data step inside its MLflow child run and print its line."""
+def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None]], StepResult],
+                   extra_logging: Callable[[StepResult], None] | None = None,
+                   total: int | None = None, files: int | None = None, then: str | None = None) -> StepResult:
+    """Run one Ray Data step inside its MLflow child run and print its line.
+
+    ``run`` gets the step's ``on_count``: while the job runs, the documents it has
+    processed (of ``total``, when known; and input files done, of ``files``) are
+    shown as a progress line (:class:`~crawl2chat.infra.progress.StepProgress`),
+    with their rate and the time left; ``then`` says what the step does once every
+    document is counted. A step that is already done shows none."""
     ensure_ray()
+    progress = StepProgress("data", total, unit="documents", label=name)
+
+    def files_note(done: int) -> str | None:
+        return f"{done}/{files} files" if files is not None else None
+
+    def on_count(counts: dict) -> None:
+        done = counts.get("documents", 0)
+        note = then if then and total and done >= total else files_note(counts.get("files", 0))
+        progress({"step": done, "note": note})
+
     with stage_run(name, params):
-        result = run()
+        try:
+            result = run(on_count)
+        finally:
+            progress.close()
+        if not result.skipped:
+            # The exact count (the last reads of the tally may miss a batch's late report).
+            final = result.rows_in if total is None else total
+            progress.finish({"step": final, "note": files_note(files or 0)})
         log_step(result, params)
         if extra_logging:
             extra_logging(result)
@@ -197,12 +221,14 @@ def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepR
         mlflow.log_metric("unreadable_files", len([f for f in result.extra.get("files", []) if not f["ok"]]))
 
     return _recorded_step("extract", {"extract": extract_cfg.model_dump(), "input_files": len(files)},
-                          lambda: steps.extract_step(list(files), work_dir, extract_cfg), log_files)
+                          lambda on_count: steps.extract_step(list(files), work_dir, extract_cfg, on_count),
+                          log_files, files=len(files))
 
 
 @_step_task("langid")
 def langid_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    return _recorded_step("langid", {"langid": cfg.model_dump()}, lambda: steps.langid_step(upstream, work_dir, cfg))
+    return _recorded_step("langid", {"langid": cfg.model_dump()},
+                          lambda on_count: steps.langid_step(upstream, work_dir, cfg, on_count), total=upstream.kept)
 
 
 @_step_task("quality")
@@ -216,7 +242,8 @@ def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
     return _recorded_step("quality", {"quality": cfg.model_dump()},
-                          lambda: steps.quality_step(upstream, work_dir, cfg), log_classifier)
+                          lambda on_count: steps.quality_step(upstream, work_dir, cfg, on_count), log_classifier,
+                          total=upstream.kept)
 
 
 @_step_task("dedup")
@@ -231,15 +258,16 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
 
     return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index),
                                     "previous_shards": len(previous_shards)},
-                          lambda: steps.dedup_step(upstream, work_dir, cfg, previous_index, previous_shards),
-                          log_stats)
+                          lambda on_count: steps.dedup_step(upstream, work_dir, cfg, previous_index, previous_shards,
+                                                            on_count),
+                          log_stats, total=upstream.kept, then="keys computed; grouping duplicates")
 
 
 @_step_task("balance")
 def balance_task(upstream: StepResult, work_dir: str, cfg: Any, prior: dict | None = None) -> StepResult:
     return _recorded_step("balance", {"balance": cfg.model_dump()},
-                          lambda: steps.balance_step(upstream, work_dir, cfg, prior),
-                          lambda result: mlflow.log_dict(result.extra, "balance.json"))
+                          lambda on_count: steps.balance_step(upstream, work_dir, cfg, prior, on_count),
+                          lambda result: mlflow.log_dict(result.extra, "balance.json"), total=upstream.kept)
 
 
 @_step_task("augment")
@@ -253,7 +281,8 @@ def augment_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
               f"{result.extra.get('augmented') or {}}", flush=True)
 
     return _recorded_step("augment", {"augment": cfg.model_dump()},
-                          lambda: steps.augment_step(upstream, work_dir, cfg), log_added)
+                          lambda on_count: steps.augment_step(upstream, work_dir, cfg, on_count), log_added,
+                          total=upstream.kept)
 
 
 def list_inputs(inputs: Sequence[str]) -> list[str]:

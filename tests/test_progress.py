@@ -62,3 +62,42 @@ def test_crawl_progress_counts_pages_with_their_rate():
     assert line.startswith("[data] pages 41/100  [########............]")
     assert "2.0 MB" in line or "2.1 MB" in line
     assert "2.0 pages/s" in line and "30s left" in line
+
+
+def test_data_step_lines_in_logs_keep_the_rate_of_the_counted_part():
+    """A data step's documents: a line at the start, one when every document is counted
+    (with the rate up to then, not diluted by the clustering that follows), none repeated."""
+    out = io.StringIO()
+    p = StepProgress("data", 40, stream=out, every=30.0, unit="documents", label="dedup")
+    p({"step": 0}, now=0.0)
+    for t, n in ((1.0, 10), (2.0, 20), (4.0, 40), (5.0, 40), (9.0, 40)):
+        p({"step": n, "note": "grouping" if n == 40 else None}, now=t)
+    p.finish({"step": 40}, now=10.0)
+    assert out.getvalue().splitlines() == [
+        "[data] dedup    documents 0/40  [....................]",
+        "[data] dedup    documents 40/40  [####################]  10.0 documents/s  0s left  grouping",
+    ]
+
+
+def test_finish_writes_the_final_count_of_work_without_a_total():
+    out = io.StringIO()
+    p = StepProgress("data", None, stream=out, unit="documents", label="extract")
+    p({"step": 0, "note": "0/3 files"}, now=0.0)
+    p({"step": 25, "note": "2/3 files"}, now=2.0)  # within `every` of the first line: not written
+    p.finish({"step": 42, "note": "3/3 files"}, now=4.0)
+    p.finish({"step": 42}, now=5.0)  # a second finish writes nothing
+    assert out.getvalue().splitlines() == ["[data] extract  documents 0  0/3 files",
+                                           "[data] extract  documents 42  10.5 documents/s  3/3 files"]
+
+
+def test_finish_on_a_terminal_ends_the_redrawn_line_once():
+    out = Terminal()
+    p = StepProgress("data", 10, stream=out, unit="documents", label="langid")
+    p({"step": 0}, now=0.0)
+    p({"step": 5}, now=1.0)
+    p.finish({"step": 10}, now=2.0)
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("documents 10/10  [####################]  5.0 documents/s  0s left\n")
+    p2 = StepProgress("data", 10, stream=Terminal(), unit="documents")
+    p2.finish({"step": 10})  # no update came: nothing to end
+    assert p2.stream.getvalue() == ""

@@ -60,7 +60,7 @@ import json
 import logging
 import struct
 from collections import Counter, defaultdict
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import fsspec
 import numpy as np
@@ -70,6 +70,7 @@ import ray
 import xxhash
 from datasketch import MinHash
 
+from crawl2chat.stages.data.counting import Counted
 from crawl2chat.stages.data.text import normalize_for_hash, split_words
 from crawl2chat.stages.data.settings import MINHASH_SCHEME, DedupConfig
 
@@ -799,6 +800,7 @@ def dedup(
     work_dir: str,
     previous_index: Sequence[str] = (),
     previous_ids: Sequence[str] = (),
+    tally: Any = None,
 ) -> tuple[ray.data.Dataset, dict]:
     """Mark repeated records, exact and near duplicates in ``ds``; returns (documents, stats).
 
@@ -815,13 +817,16 @@ def dedup(
     ``work_dir/index``) is dropped; indexed ones never are. This run's kept
     documents are indexed under ``work_dir/index``.
 
+    ``tally`` (:mod:`~crawl2chat.stages.data.counting`) counts the documents
+    whose keys are computed.
+
     Stats: docs_in, docs_checked (not dropped before, with text), repeated_records,
     exact_dups, near_dups, clusters, cluster_size_histogram (members incl.
     indexed ones -> clusters), candidate_links (links found in band and
     exact-hash buckets; a pair linked in several shards counts once per shard),
     cc_rounds.
     """
-    keys = ds.map_batches(_doc_keys, fn_kwargs={"cfg": cfg}, batch_format="pyarrow").materialize()
+    keys = ds.map_batches(Counted(_doc_keys, tally), fn_kwargs={"cfg": cfg}, batch_format="pyarrow").materialize()
     counts = _reduce_on_driver(keys, _count_docs)
     keys = keys.map_batches(_without_counters, batch_format="pyarrow")
     old_ids = _load_previous_ids(previous_ids, cfg)

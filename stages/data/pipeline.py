@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 import ray
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
+from crawl2chat.stages.data.counting import Counted, CountedClass, OnCount, counting, report
 from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data.versions import (
@@ -197,7 +198,8 @@ def _write(ds: ray.data.Dataset, out_dir: str) -> None:
 # --------------------------------------------------------------------------- extract
 
 
-def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int) -> Iterator[pa.Table]:
+def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
+                   tally: Any = None) -> Iterator[pa.Table]:
     from crawl2chat.stages.data.templates import strip_template_lines
     from crawl2chat.stages.data.warc_input import WarcReader
 
@@ -221,6 +223,7 @@ def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int)
             if len(docs) >= rows_per_table:
                 template += finish(docs)
                 yield to_table(docs, EXTRACT_COLUMNS)
+                report(tally, "documents", len(docs))
                 docs = []
         template += finish(docs)
         errors = "; ".join(str(e.get("error")) for e in reader.file_errors)
@@ -238,23 +241,27 @@ def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int)
             }
         )
         yield to_table(docs, EXTRACT_COLUMNS)
+        report(tally, "documents", len(docs) - 1)
+        report(tally, "files", 1)
 
 
-def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
-    """WARC/WET files -> one document per response/conversion record."""
+def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count: OnCount | None = None) -> StepResult:
+    """WARC/WET files -> one document per response/conversion record. ``on_count``
+    (see :mod:`~crawl2chat.stages.data.counting`) gets the documents read and files finished so far."""
     if not files:
         raise NothingUsableError("No input files were found to read.")
     fp = fingerprint("extract", files_fingerprint(files), extract_cfg.model_dump())
 
     def build(tmp: str) -> dict[str, Any]:
-        ds = ray.data.from_items([{"path": p} for p in files], override_num_blocks=len(files))
-        ds = ds.map_batches(
-            _extract_files,
-            batch_size=1,
-            batch_format="numpy",
-            fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512},
-        )
-        _write(ds, tmp)
+        with counting(on_count) as tally:
+            ds = ray.data.from_items([{"path": p} for p in files], override_num_blocks=len(files))
+            ds = ds.map_batches(
+                _extract_files,
+                batch_size=1,
+                batch_format="numpy",
+                fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512, "tally": tally},
+            )
+            _write(ds, tmp)
         return {"input_files": len(files)}
 
     result = run_step("extract", work_dir, fp, build)
@@ -307,25 +314,27 @@ def block_step(
     make_blocks: Callable[[], list],
     columns: Sequence[str],
     identity: Sequence[Any] = (),
+    on_count: OnCount | None = None,
 ) -> StepResult:
     """Run ``make_blocks()`` over the upstream's kept rows; ``identity`` adds inputs beyond ``cfg``
-    (a model file) to the fingerprint."""
+    (a model file) to the fingerprint; ``on_count`` gets the documents judged so far."""
     fp = fingerprint(name, upstream.fingerprint, cfg.model_dump(), *identity)
 
     def build(tmp: str) -> dict[str, Any]:
         if upstream.kept == 0:
             return {}
-        ds = read_kept(upstream.out_dir).map_batches(
-            BlockBatchMapper(make_blocks, columns), batch_format="pyarrow", batch_size=256
-        )
-        _write(ds, tmp)
+        with counting(on_count) as tally:
+            ds = read_kept(upstream.out_dir).map_batches(
+                Counted(BlockBatchMapper(make_blocks, columns), tally), batch_format="pyarrow", batch_size=256
+            )
+            _write(ds, tmp)
         return {}
 
     return run_step(name, work_dir, fp, build)
 
 
-def langid_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
-    return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS)
+def langid_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None) -> StepResult:
+    return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS, on_count=on_count)
 
 
 def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, Any], list[Any]]:
@@ -365,9 +374,10 @@ def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, 
     return cfg, {"classifier": "trained", "model": str(path), **train_quality_classifier(clf, path)}, []
 
 
-def quality_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+def quality_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None) -> StepResult:
     cfg, classifier_info, identity = prepare_quality_classifier(cfg, work_dir)
-    result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS, identity)
+    result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS, identity,
+                        on_count=on_count)
     result.extra.update(classifier_info)
     return result
 
@@ -378,10 +388,12 @@ def dedup_step(
     cfg: Any,
     previous_index: Sequence[str] = (),
     previous_shards: Sequence[str] = (),
+    on_count: OnCount | None = None,
 ) -> StepResult:
     """Drop repeated records (an id read twice, or already in ``previous_shards``:
     the shards of the versions a refresh extends), then exact and near
-    duplicates, also of the documents in the ``previous_index`` folders."""
+    duplicates, also of the documents in the ``previous_index`` folders.
+    ``on_count`` gets the documents whose dedup keys are computed so far."""
     from crawl2chat.stages.data.dedup import dedup
 
     fp = fingerprint(
@@ -392,9 +404,11 @@ def dedup_step(
         if upstream.kept == 0:
             return {}
         index_dir = os.path.join(tmp, "_index_work")
-        ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index), list(previous_shards))
-        ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
-        _write(ds, tmp)
+        with counting(on_count) as tally:
+            ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index),
+                              list(previous_shards), tally=tally)
+            ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
+            _write(ds, tmp)
         # The persisted index sits beside the step output, outside the Parquet glob.
         if os.path.isdir(os.path.join(index_dir, "index")):
             os.replace(os.path.join(index_dir, "index"), os.path.join(tmp, "_index"))
@@ -441,8 +455,10 @@ def _apply_balance(batch: pa.Table, by: str, weights: dict[str, float], mode: st
     return pa.Table.from_pylist(out, schema=schema)
 
 
-def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str, Any] | None = None) -> StepResult:
-    """Compute per-group weights and mark thinned documents (they are quarantined too).
+def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str, Any] | None = None,
+                 on_count: OnCount | None = None) -> StepResult:
+    """Compute per-group weights and mark thinned documents (they are quarantined too);
+    ``on_count`` gets the documents weighted so far.
 
     ``prior`` holds the group counts of the versions a refresh extends
     (``{"docs": ..., "sizes": ...}``): weights follow the whole dataset, not
@@ -459,18 +475,19 @@ def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str,
         sizes = {k: prior.get("sizes", {}).get(k, 0.0) + new_sizes.get(k, 0.0) for k in docs}
         weights = group_weights(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
         if upstream.kept:
-            ds = read_kept(upstream.out_dir).map_batches(
-                _apply_balance,
-                batch_format="pyarrow",
-                fn_kwargs={"by": cfg.by, "weights": weights, "mode": cfg.mode, "seed": cfg.seed},
-            )
-            _write(ds, tmp)
+            with counting(on_count) as tally:
+                ds = read_kept(upstream.out_dir).map_batches(
+                    Counted(_apply_balance, tally),
+                    batch_format="pyarrow",
+                    fn_kwargs={"by": cfg.by, "weights": weights, "mode": cfg.mode, "seed": cfg.seed},
+                )
+                _write(ds, tmp)
         return {"groups": docs, "group_sizes": sizes, "version_groups": new_docs, "sample_weights": weights}
 
     return run_step("balance", work_dir, fp, build)
 
 
-def augment_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+def augment_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None) -> StepResult:
     """Add augmented copies of the upstream's kept documents (:mod:`~crawl2chat.stages.data.augment`).
 
     Runs after dedup and balance, so the copies are neither deduplicated against
@@ -479,7 +496,7 @@ def augment_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
     followed, batch by batch, by the new ones; its record counts the rows added
     per method (``extra["augmented"]``). Settings that cannot work (a missing or
     malformed word list, a model folder without ``config.json``) are refused
-    before any work, naming the setting."""
+    before any work, naming the setting. ``on_count`` gets the source documents processed so far."""
     from crawl2chat.stages.data.augment import AugmentBatch, prepare
 
     cfg, identity = prepare(cfg)
@@ -491,12 +508,13 @@ def augment_step(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
         files = sorted(Path(upstream.out_dir).glob("*.parquet"))
         names = pq.ParquetFile(files[0]).schema_arrow.names
         # One worker: back-translation models are loaded once; the other methods are cheap.
-        ds = read_kept(upstream.out_dir).map_batches(
-            AugmentBatch, fn_constructor_args=(cfg, names), batch_format="pyarrow",
-            batch_size=cfg.back_translation.batch_size * 4 if cfg.back_translation.enabled else 256,
-            compute=ray.data.ActorPoolStrategy(size=1),
-        )
-        _write(ds, tmp)
+        with counting(on_count) as tally:
+            ds = read_kept(upstream.out_dir).map_batches(
+                CountedClass, fn_constructor_args=(AugmentBatch, (cfg, names), tally), batch_format="pyarrow",
+                batch_size=cfg.back_translation.batch_size * 4 if cfg.back_translation.enabled else 256,
+                compute=ray.data.ActorPoolStrategy(size=1),
+            )
+            _write(ds, tmp)
         written = sorted(Path(tmp).glob("*.parquet"))
         table = pq.read_table(written, columns=["augmented_from", "augment_method"]) if written else None
         methods = Counter(m for m in (table["augment_method"].to_pylist() if table else []) if m)
