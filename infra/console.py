@@ -3,8 +3,9 @@
 Libraries the stages run print notices that say nothing to someone running a
 pipeline: MLflow's "View run at" links and schema set-up lines, DeepSpeed's
 accelerator detection, safetensors' note on tied weights, Ray's start-up
-warnings. They still reach every stage's log file (``OUT/train.log``, Ray's
-session logs, MLflow's store); only the terminal copy is filtered.
+warnings and its raylet's note on how many worker processes it started. They
+still reach every stage's log file (``OUT/train.log``, Ray's session logs, MLflow's
+store); only the terminal copy is filtered.
 ``crawl2chat -v`` (or ``CRAWL2CHAT_VERBOSE=1``) shows everything.
 """
 
@@ -23,8 +24,14 @@ CHATTER = tuple(re.compile(p) for p in (
     r"^\U0001F3C3 View run |^\U0001F9EA View experiment at",  # MLflow's links after each run
     r"INFO mlflow\.store\.db\.utils: (Creating initial MLflow database tables|Updating database tables)",
     r"INFO alembic\.runtime\.migration: ",
-    r"Token authentication is enabled for this Ray cluster",
+    r"Token authentication is (enabled|disabled) for this Ray cluster",
     r"Progress bars disabled\. To enable, set",
+    # The raylet's note that it started more worker processes than CPUs: Ray Data's
+    # tasks and actors on a small machine, expected (it stays in the raylet's log).
+    r"WARNING: \d+ PYTHON worker processes have been started on node",
+    # Ray Data looks once, as a dataset starts, for a free CPU; between two steps the
+    # previous step's tasks may still be handing theirs back.
+    r"The Ray cluster currently does not have any available CPUs\. The Dataset job will hang",
 ))
 
 
@@ -35,6 +42,24 @@ def verbose() -> bool:
 def is_chatter(line: str) -> bool:
     """A library notice the terminal does not show unless verbose."""
     return not verbose() and any(p.search(line) for p in CHATTER)
+
+
+class ChatterFilter(logging.Filter):
+    """A logging filter for a terminal handler: holds back the records :func:`is_chatter` names."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            return not is_chatter(record.getMessage())
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is shown as it is
+            return True
+
+
+def filter_terminal_handlers(logger_name: str) -> None:
+    """Put a :class:`ChatterFilter` on the logger's terminal handlers (its file handlers keep everything)."""
+    for handler in logging.getLogger(logger_name).handlers:
+        terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if terminal and not any(isinstance(f, ChatterFilter) for f in handler.filters):
+            handler.addFilter(ChatterFilter())
 
 
 def quiet_libraries() -> None:

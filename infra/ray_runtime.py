@@ -12,6 +12,11 @@ A local instance never outlives the process that started it, however that
 process dies (SIGKILL included): Ray ties its own processes to the driver, and
 the agents under the raylet learn of its death through a pipe
 (``tests/faults/test_process_tree.py`` kills a driver and waits for all of them).
+
+Ray's notices that say nothing to someone running the pipeline (its token
+authentication notice, the raylet's count of worker processes, Ray Data's look
+for a free CPU) stay in Ray's own log files; :mod:`crawl2chat.infra.console`
+names them, and ``crawl2chat -v`` shows them on the terminal too.
 """
 
 from __future__ import annotations
@@ -43,9 +48,46 @@ def _loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def _filter_raylet_notices() -> None:
+    """Keep the raylet's notices that :mod:`crawl2chat.infra.console` counts as chatter
+    off the terminal (unless verbose).
+
+    A Ray driver prints what the cluster publishes to it (its error channel: the
+    raylet's warnings, a worker's crash) on stdout from a thread of its own, so the
+    line-by-line filter sits in front of that printer. What it holds back is still in
+    the raylet's log (``raylet.out`` of the session's logs folder); everything else,
+    errors included, is printed as before.
+    """
+    from ray._private import worker as ray_worker
+
+    from crawl2chat.infra.console import is_chatter
+
+    printer = getattr(ray_worker, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "filters_chatter", False):
+        return
+
+    def print_to_stdstream(data: dict, ignore_prefix: bool) -> None:
+        lines = data.get("lines") or []
+        kept = [line for line in lines if not is_chatter(str(line))]
+        for line in lines:
+            if line not in kept:
+                log.info("ray (%s): %s", data.get("pid"), line)
+        if kept or not lines:
+            printer({**data, "lines": kept}, ignore_prefix)
+
+    print_to_stdstream.filters_chatter = True
+    ray_worker.print_to_stdstream = print_to_stdstream
+
+
 def ensure_ray(num_cpus: int | None = None) -> dict:
     """Initialise Ray once per process and return a short description of it."""
     if not ray.is_initialized():
+        from crawl2chat.infra.console import quiet_libraries
+
+        # Whatever started this process (the command, a Prefect worker's flow run):
+        # Ray's start-up notices go to its logs, not the terminal.
+        quiet_libraries()
+        _filter_raylet_notices()
         address = os.environ.get("RAY_ADDRESS") or None
         kwargs: dict = {"ignore_reinit_error": True, "log_to_driver": False, "logging_level": logging.WARNING}
         if address:
@@ -64,6 +106,11 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
         ctx.enable_progress_bars = False
         # Each step prints one line of its own; Ray Data's per-dataset INFO lines go to its log files.
         logging.getLogger("ray.data").setLevel(logging.WARNING)
+        # Ray's and Ray Data's notices stay in their log files (ray-data.log), off the terminal.
+        from crawl2chat.infra.console import filter_terminal_handlers
+
+        for name in ("ray", "ray.data"):
+            filter_terminal_handlers(name)
         # Dedup's groupbys use the sort-based shuffle: Ray's hash shuffle starts
         # aggregator actors for every groupby (seconds each on a small machine), and
         # its reducers fail on dedup's union of rows with different schemas.

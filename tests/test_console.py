@@ -13,6 +13,10 @@ NOTICES = [
     "[2026-12-03 11:52:10,063] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU. If you",
     "\U0001F3C3 View run pretrain at: http://127.0.0.1:37609/#/experiments/1/runs/35b99a76",
     "2026/12/03 10:55:40 INFO mlflow.store.db.utils: Creating initial MLflow database tables...",
+    "\x1b[33m(raylet)\x1b[0m WARNING: 8 PYTHON worker processes have been started on node: 7eafaff4 with address: "
+    "127.0.0.1, which is 4x the maximum expected startup concurrency (2).",
+    "2026-12-03 15:43:42,882\tWARNING dataset.py:8601 -- Warning: The Ray cluster currently does not have any "
+    "available CPUs. The Dataset job will hang unless more CPUs are freed up.",
 ]
 PROGRESS = [
     "10 steps, val_loss 4.411 -> /tmp/run/model",
@@ -61,3 +65,65 @@ def test_every_command_shows_an_example():
     for name in commands:
         out = CliRunner().invoke(app, [name, "--help"], env=env).output
         assert "Example:" in out and "crawl2chat" in out.split("Example:", 1)[1], name
+
+
+def test_raylet_notices_stay_off_the_terminal_unless_verbose(ray_local, capsys, monkeypatch):
+    """A notice the raylet publishes to the driver (its worker-count warning) is held
+    back; any other message on that channel is printed; -v prints the notice too."""
+    import time
+
+    import ray
+    from ray._private.utils import publish_error_to_driver
+
+    gcs = ray._private.worker.global_worker.gcs_client
+    notice = ("WARNING: 8 PYTHON worker processes have been started on node: 7eafaff4 with address: 127.0.0.1, "
+              "which is 4x the maximum expected startup concurrency (2).")
+
+    def publish(message: str) -> None:
+        publish_error_to_driver("worker_pool_large", message, gcs)
+
+    def printed_until(text: str) -> str:
+        deadline, out = time.time() + 30, ""
+        while time.time() < deadline and text not in out:
+            time.sleep(0.2)
+            out += capsys.readouterr().out
+        return out
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    publish(notice)
+    publish("a message that is no notice")  # the channel keeps order: the notice was handled first
+    out = printed_until("no notice")
+    assert "no notice" in out and "PYTHON worker processes" not in out
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    publish(notice.replace("8 PYTHON", "12 PYTHON"))
+    assert "12 PYTHON worker processes have been started" in printed_until("PYTHON worker processes")
+
+
+def test_terminal_handlers_hold_notices_back_and_files_keep_them(tmp_path, monkeypatch):
+    """Ray Data's notice reaches its log file, not the terminal handler of the same logger."""
+    import io
+    import logging
+
+    from crawl2chat.infra.console import filter_terminal_handlers
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    logger = logging.getLogger("crawl2chat.test.ray_like")
+    terminal, log_file = io.StringIO(), tmp_path / "ray-data.log"
+    handlers = [logging.StreamHandler(terminal), logging.FileHandler(log_file)]
+    for h in handlers:
+        logger.addHandler(h)
+    try:
+        filter_terminal_handlers(logger.name)
+        filter_terminal_handlers(logger.name)  # once is enough: no second filter
+        assert len(handlers[0].filters) == 1 and not handlers[1].filters
+        logger.warning("Warning: The Ray cluster currently does not have any available CPUs. The Dataset job will hang")
+        logger.warning("a real problem")
+        monkeypatch.setenv(VERBOSE_ENV, "1")
+        logger.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled")
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+            h.close()
+    assert terminal.getvalue().splitlines() == [
+        "a real problem", "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled"]
+    assert "does not have any available CPUs" in log_file.read_text()
