@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,14 @@ def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "v0001: " in proc.stdout and " documents (" in proc.stdout
+    # Not a terminal: each step's progress comes as plain lines (documents, rate), never redrawn,
+    # and Ray's notices stay in its log files.
+    for step in ("extract", "langid", "quality", "dedup", "balance"):
+        assert re.search(rf"^\[data\] {step} +documents \d+", proc.stdout, re.M), (step, proc.stdout[-3000:])
+    assert re.search(r"^\[data\] langid +documents (\d+)/\1  \[#{20}\]  [\d,.]+ documents/s", proc.stdout, re.M)
+    assert "\r" not in proc.stdout
+    assert "PYTHON worker processes" not in proc.stdout + proc.stderr
+    assert "Token authentication is" not in proc.stdout + proc.stderr
     assert (out / "manifest.json").exists() and (out / "review.md").exists()
 
     mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
