@@ -55,6 +55,21 @@ def _fail(message: str, status: int = 1) -> None:
     raise typer.Exit(status)
 
 
+def _prepare_services(cfg) -> None:
+    """Prefect's environment, after checking the project folder (``home``) the embedded
+    Prefect API and MLflow store would live in: a folder that cannot be written ends
+    the command with one sentence and exit status 2."""
+    from crawl2chat.infra.workdir import FolderUnusable, check_home
+
+    embedded = not os.environ.get("PREFECT_API_URL") or not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI"))
+    if embedded:
+        try:
+            check_home(cfg.home)
+        except FolderUnusable as e:
+            _fail(str(e), 2)
+    configure_prefect_env(cfg.home)
+
+
 @app.command()
 def data(
     input: Optional[list[str]] = typer.Option(None, "--input", "-i", help="WARC/WET file or folder (repeatable); local or fsspec URL."),
@@ -70,7 +85,7 @@ def data(
     """
     cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out,
                          "data.refresh": True if refresh else None}, set_)
-    configure_prefect_env(cfg.home)
+    _prepare_services(cfg)
     from crawl2chat.flows.data import data_flow
 
     manifest = _guarded(lambda: data_flow(cfg))
@@ -104,7 +119,7 @@ def train(
     Example: crawl2chat train --data runs/data --set pretrain.train.max_steps=2000
     """
     cfg = _load(config, {}, set_)
-    configure_prefect_env(cfg.home)
+    _prepare_services(cfg)
     from crawl2chat.flows.pipeline import train_flow
 
     result = _guarded(lambda: train_flow(cfg, data))
@@ -150,7 +165,7 @@ def _stage_command(name: str):
         for setting, _ in stage.options:
             overrides[f"{name}.train.{setting}"] = kw.pop(setting)
         cfg = _load(kw.pop("config"), overrides, kw.pop("set_"))
-        configure_prefect_env(cfg.home)
+        _prepare_services(cfg)
         from crawl2chat.flows.pipeline import STAGE_FLOWS
 
         summary = _guarded(lambda: STAGE_FLOWS[name](cfg, **kw))
@@ -202,7 +217,7 @@ def run(
     expected, overlay = RUN_PRESETS[preset]
     cfg = _load(config, {"data.refresh": True if refresh else None}, set_, overlay)
     typer.echo(f"crawl2chat run --preset {preset}: expect {expected}.")
-    configure_prefect_env(cfg.home)
+    _prepare_services(cfg)
     from crawl2chat.flows.pipeline import pipeline_flow
 
     result = _guarded(lambda: pipeline_flow(cfg))

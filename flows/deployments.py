@@ -49,7 +49,7 @@ def prefect_yaml() -> str:
     import prefect
 
     body = {"name": "crawl2chat", "prefect-version": prefect.__version__,
-            "pull": [{"prefect.deployments.steps.set_working_directory":
+            "pull": [{"crawl2chat.infra.workdir.enter_workdir":
                       {"directory": "{{ $CRAWL2CHAT_WORKDIR }}"}}],
             "deployments": deployments()}
     return HEADER + "\n" + yaml.safe_dump(body, sort_keys=False, width=100)
