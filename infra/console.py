@@ -64,7 +64,12 @@ def filter_terminal_handlers(logger_name: str) -> None:
 
 def quiet_libraries() -> None:
     """Turn the libraries' own notices down in this process (and the ones it starts),
-    unless verbose. Called by every entry point before the libraries load."""
+    unless verbose. Called by every entry point before the libraries load (a Prefect
+    worker's flow run included, where the command line's set-up never ran)."""
+    # The stages print their own progress; library progress bars (a model's "Loading
+    # weights" bar in an evaluation) would interleave with it. As the command line sets.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if verbose():
         return
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
