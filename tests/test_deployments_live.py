@@ -5,14 +5,16 @@ Prefect UI's "Run" form makes (``POST /api/deployments/{id}/create_flow_run``) w
 the form's values: the deployment's parameter schema defaults and its own
 parameters, with only the sizes and the folders changed.
 
-The ``data-refresh`` deployment runs twice on a small crawl of the embedded
-documentation site: the first run builds dataset version v0001, the second adds
-v0002 on top of it without rewriting v0001. Both flow runs are recorded in an
-MLflow SQLite store that the worker is given through ``MLFLOW_TRACKING_URI``, with
-the version lineage on the runs. The ``pretrain`` deployment then trains a tiny
-base model on that dataset, its MLflow run linked to the version and the run that
-wrote it. Every process the services started (the worker's
-flow-run processes and their Ray included) has exited once the worker is stopped.
+The ``data-refresh`` deployment builds dataset version v0001 from a small crawl of
+the embedded documentation site. The ``pipeline`` deployment then runs every stage
+with tiny sizes and ``refresh`` ticked: its data stage re-crawls and adds v0002 on
+top of v0001 without rewriting it, and it trains a base model on v0002, then the
+SFT model, the reward model and the PPO policy. Every run is recorded in an MLflow
+SQLite store that the worker is given through ``MLFLOW_TRACKING_URI``: the version
+lineage on the data runs, and each training run linked to the runs it read (the
+base model to the version and the run that wrote it). Every process the services
+started (the worker's flow-run processes and their Ray included) has exited once
+the worker is stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import secrets
 import subprocess
 import time
@@ -149,61 +152,88 @@ def test_deployments_run_from_the_ui_form(deployed):
     parameters = form_values(refresh, {"config.home": str(home), "config.data.out": str(out),
                                        "config.data.crawl.max_pages": 20})
     assert parameters["refresh"] is True and parameters["config"]["tracking"]["uri"] is None
-    runs = []
-    for expected in ("v0001", "v0002"):
-        runs.append(run_deployment(api, refresh, parameters, deployed.logs))
-        manifest = json.loads((out / "manifest.json").read_text())
-        assert manifest["version"] == expected, manifest["version"]
-        if expected == "v0001":
-            first = (out / "versions" / "v0001" / "manifest.json").read_bytes()
-            assert manifest["documents_kept"] > 0
-    for run in runs:
-        assert run["deployment_id"] == refresh["id"] and run["parameters"] == parameters
+    first_run = run_deployment(api, refresh, parameters, deployed.logs)
+    assert first_run["deployment_id"] == refresh["id"] and first_run["parameters"] == parameters
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["version"] == "v0001" and manifest["documents_kept"] > 0
+    first = (out / "versions" / "v0001" / "manifest.json").read_bytes()
+
+    # The `pipeline` deployment from its form: the same crawl and folders, refresh ticked,
+    # tiny training sizes. Every training stage runs under the worker's flow run
+    # (`accelerate launch` each), one MLflow run apiece.
+    pipeline = on_server["pipeline"]
+    tiny = {"preset": "tiny", "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4, "max_steps": 6,
+            "warmup_steps": 1, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 6, "val_fraction": 0.2}
+    post = {"sft.train.max_steps": 2, "reward.train.max_steps": 2, "ppo.train.max_steps": 1,
+            "ppo.train.rollout_batch_size": 4, "ppo.train.micro_batch_size": 4, "ppo.train.max_new_tokens": 8}
+    folders = {f"config.{stage}.out": str(tmp / stage) for stage in ("pretrain", "sft", "reward", "ppo")}
+    parameters = form_values(pipeline, {"refresh": True, "config.home": str(home), "config.data.out": str(out),
+                                        "config.data.crawl.max_pages": 20, "config.demo_sets.examples": 24,
+                                        "config.demo_sets.out": str(tmp / "demo_sets"), **folders,
+                                        **{f"config.pretrain.train.{k}": v for k, v in tiny.items()},
+                                        **{f"config.{k}": v for k, v in post.items()}})
+    run = run_deployment(api, pipeline, parameters, deployed.logs)
+    assert run["deployment_id"] == pipeline["id"] and run["parameters"] == parameters
 
     # The second version lists the first as its base and leaves its files as they were.
+    manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(p.name for p in (out / "versions").iterdir()) == ["v0001", "v0002"]
-    assert manifest["base_version"] == "v0001" and manifest["refresh"] is True
+    assert manifest["version"] == "v0002" and manifest["base_version"] == "v0001" and manifest["refresh"] is True
     assert manifest["versions"] == ["v0001", "v0002"]
     assert (out / "versions" / "v0001" / "manifest.json").read_bytes() == first
     for shard in manifest["shards"]:
         assert (out / shard["path"]).is_file()
+    for stage in ("pretrain", "sft", "reward", "ppo"):
+        assert (tmp / stage / "model" / "config.json").is_file(), stage
 
     # MLflow: the worker's tracking URI took effect (nothing in the embedded store under home).
     assert not (home / "mlflow.db").exists()
+    import mlflow
     from mlflow import MlflowClient
 
     client = MlflowClient(deployed.tracking_uri)
     experiment = client.get_experiment_by_name("crawl2chat")
     assert experiment is not None
     found = client.search_runs([experiment.experiment_id])
-    parents = [r for r in found if r.data.tags.get("crawl2chat.pipeline") == "data"]
-    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in parents)
+    parents = {r.data.tags.get("crawl2chat.pipeline"): r for r in found if r.data.tags.get("crawl2chat.pipeline")}
+    assert set(parents) == {"data", "pipeline"} and all(r.info.status == "FINISHED" for r in parents.values())
     writes = {r.data.tags["crawl2chat.data_version"]: r for r in found if r.data.tags.get("crawl2chat.stage") == "write"}
     assert set(writes) == {"v0001", "v0002"}
     assert writes["v0002"].data.tags["crawl2chat.data_base_version"] == "v0001"
     assert writes["v0002"].data.tags["crawl2chat.data_digest"] == manifest["content_digest"]
-    assert {w.data.tags["mlflow.parentRunId"] for w in writes.values()} == {r.info.run_id for r in parents}
+    assert writes["v0001"].data.tags["mlflow.parentRunId"] == parents["data"].info.run_id
+    assert writes["v0002"].data.tags["mlflow.parentRunId"] == parents["pipeline"].info.run_id
     for version, write in writes.items():
         # The version folder names the run that wrote it: a training run reading it links there.
         recorded = json.loads((out / "versions" / version / "mlflow_run.json").read_text())
         assert recorded["run_id"] == write.info.run_id
 
-    # The `pretrain` deployment trains a tiny base model on that dataset from the same form:
-    # `accelerate launch` under the worker's flow run, its run linked to the version it read.
-    pretrain = on_server["pretrain"]
-    tiny = {"preset": "tiny", "vocab_size": 512, "seq_len": 64, "micro_batch_size": 4, "max_steps": 6,
-            "warmup_steps": 1, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 6, "val_fraction": 0.2}
-    parameters = form_values(pretrain, {"data": str(out), "config.home": str(home),
-                                        "config.pretrain.out": str(tmp / "pretrain"),
-                                        **{f"config.pretrain.train.{k}": v for k, v in tiny.items()}})
-    run_deployment(api, pretrain, parameters, deployed.logs)
-    assert (tmp / "pretrain" / "model" / "config.json").is_file()
-    trained = client.search_runs([experiment.experiment_id], "tags.`crawl2chat.stage` = 'pretrain'")
-    assert len(trained) == 1 and trained[0].info.status == "FINISHED"
-    tags = trained[0].data.tags
+    children = {r.data.tags["crawl2chat.stage"]: r for r in found
+                if r.data.tags.get("mlflow.parentRunId") == parents["pipeline"].info.run_id}
+    assert {"crawl", "extract", "write", "pretrain", "demo-sets", "sft", "reward", "ppo"} <= set(children)
+    assert all(children[s].info.status == "FINISHED" for s in ("pretrain", "sft", "reward", "ppo"))
+    base = children["pretrain"]
+    tags = base.data.tags
     assert tags["crawl2chat.data_version"] == "v0002" and tags["crawl2chat.data_digest"] == manifest["content_digest"]
     assert tags[f"{INPUT_PREFIX}data"] == writes["v0002"].info.run_id
-    assert client.get_metric_history(trained[0].info.run_id, "loss")
+    assert client.get_metric_history(base.info.run_id, "loss")
+    # Lineage: each stage's run names the runs it read, and `crawl2chat lineage` follows them.
+    inputs = {stage: {k[len(INPUT_PREFIX):]: v for k, v in children[stage].data.tags.items()
+                      if k.startswith(INPUT_PREFIX)} for stage in ("sft", "reward", "ppo")}
+    assert inputs["sft"] == {"base": base.info.run_id} and inputs["reward"] == {"base": base.info.run_id}
+    assert inputs["ppo"] == {"sft": children["sft"].info.run_id, "reward": children["reward"].info.run_id}
+    from crawl2chat.infra.lineage import format_lineage
+
+    mlflow.set_tracking_uri(deployed.tracking_uri)
+    chain = format_lineage(str(tmp / "ppo" / "model"))
+    for upstream in (children["sft"], children["reward"], base, writes["v0002"]):
+        assert f"run {upstream.info.run_id}" in chain, chain
+
+    # What the worker's terminal showed: each data step's progress, no library notices or bars.
+    shown = (deployed.logs / "worker.log").read_text(errors="replace")
+    assert re.search(r"^\[data\] langid +documents \d+/\d+  \[#{20}\]", shown, re.M)
+    for notice in ("PYTHON worker processes", "Token authentication is", "Loading weights"):
+        assert notice not in shown, notice
 
     # Stopping the worker leaves no process behind (flow-run processes and their Ray included).
     assert deployed.stop_worker() == []
