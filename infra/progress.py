@@ -78,7 +78,9 @@ class StepProgress:
             self._first = (step, now)
         if self._moved is None or self._moved[0] != step:
             self._moved = (step, now)
-        last = self.total is not None and step >= self.total and step != self._printed_step
+        if self.total is not None and step >= self.total and step == self._printed_step:
+            return  # the last step's line is written; work that follows it shows nothing new
+        last = self.total is not None and step >= self.total
         if self.tty:
             self.stream.write("\r\x1b[2K" + self.line(row, now) + ("\n" if last else ""))
             self._open_line = not last

@@ -202,8 +202,9 @@ def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None
     with stage_run(name, params):
         try:
             result = run(on_count)
-        finally:
-            progress.close()
+        except BaseException:
+            progress.close()  # the error's own lines start on a line of their own
+            raise
         if not result.skipped:
             # The exact count (the last reads of the tally may miss a batch's late report).
             final = result.rows_in if total is None else total

@@ -101,3 +101,20 @@ def test_finish_on_a_terminal_ends_the_redrawn_line_once():
     p2 = StepProgress("data", 10, stream=Terminal(), unit="documents")
     p2.finish({"step": 10})  # no update came: nothing to end
     assert p2.stream.getvalue() == ""
+
+
+def test_a_terminal_line_is_ended_once_whatever_follows():
+    """Counts that stop at the total while the step still works (dedup's clustering), and a
+    finish after a redrawn line without a total: each line ends once, nothing is drawn twice."""
+    out = Terminal()
+    p = StepProgress("data", 3, stream=out, unit="documents", label="dedup")
+    for t, n in enumerate((0, 3, 3, 3)):
+        p({"step": n}, now=float(t))
+    p.finish({"step": 3}, now=5.0)
+    assert out.getvalue().count("\n") == 1 and out.getvalue().count("documents 3/3") == 1
+    out = Terminal()
+    p = StepProgress("data", None, stream=out, unit="documents", label="extract")
+    p({"step": 0}, now=0.0)
+    p({"step": 42}, now=1.0)
+    p.finish({"step": 42}, now=2.0)
+    assert out.getvalue().count("\n") == 1 and out.getvalue().endswith("documents 42  42.0 documents/s\n")
