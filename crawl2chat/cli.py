@@ -88,7 +88,7 @@ def data(
     _prepare_services(cfg)
     from crawl2chat.flows.data import data_flow
 
-    manifest = _guarded(lambda: data_flow(cfg))
+    manifest = _guarded(lambda: data_flow(cfg), cfg.home)
     out_dir = Path(cfg.data.out).resolve()
     typer.echo(
         f"\n{manifest['version']}: {manifest['documents_kept']} documents ({manifest['version_documents_kept']} new), "
@@ -122,14 +122,16 @@ def train(
     _prepare_services(cfg)
     from crawl2chat.flows.pipeline import train_flow
 
-    result = _guarded(lambda: train_flow(cfg, data))
+    result = _guarded(lambda: train_flow(cfg, data), cfg.home)
     typer.echo("\n".join(f"{name + ' model:':<14} {result[name]['model_dir']}"
                           for name in ("pretrain", "sft", "reward", "ppo", "dpo") if name in result))
 
 
-def _guarded(body):
+def _guarded(body, home: str):
     """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence,
-    a full disk) ends in one sentence and exit status 2, the full trace being in the run's log."""
+    a full disk) ends in one sentence and exit status 2, the full trace being in the
+    stage's log or ``HOME/logs/flow-runs.log``."""
+    from crawl2chat.infra.console import RUN_TRACES
     from crawl2chat.stages.data.pipeline import NothingUsableError
     from crawl2chat.stages.data.versions import DamagedDataError
     from crawl2chat.stages.locks import FolderBusy
@@ -142,10 +144,9 @@ def _guarded(body):
         if not e.permanent:
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
-    except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy) as e:
-        _fail(str(e), 2)
-    except SettingsError as e:
-        _fail(str(e), 2)
+    except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError) as e:
+        traces = Path(home) / RUN_TRACES
+        _fail(f"{e}" + (f" (trace: {traces})" if traces.exists() else ""), 2)
     except (OSError, MemoryError) as e:  # out of disk space, a file size limit or memory: a rerun fails again
         from crawl2chat.stages.resources import exhaustion
 
@@ -168,7 +169,7 @@ def _stage_command(name: str):
         _prepare_services(cfg)
         from crawl2chat.flows.pipeline import STAGE_FLOWS
 
-        summary = _guarded(lambda: STAGE_FLOWS[name](cfg, **kw))
+        summary = _guarded(lambda: STAGE_FLOWS[name](cfg, **kw), cfg.home)
         typer.echo(f"\n{name} model: {summary['model_dir']}\n  {stage.report(summary)}\n"
                    f"  MLflow: {summary.get('model_uri')} (run {summary['run_id']})")
 
@@ -220,7 +221,7 @@ def run(
     _prepare_services(cfg)
     from crawl2chat.flows.pipeline import pipeline_flow
 
-    result = _guarded(lambda: pipeline_flow(cfg))
+    result = _guarded(lambda: pipeline_flow(cfg), cfg.home)
     manifest, base = result["manifest"], result["pretrain"]
     data_out = Path(result["data"])
     lines = [

@@ -15,6 +15,7 @@ from prefect import flow
 from crawl2chat.stages.data.versions import remove_leftovers
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.settings import Config, apply_profile
+from crawl2chat.infra.console import keep_run_traces
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.tasks import data as t
 
@@ -96,5 +97,6 @@ def data_flow(config: Config = Config(), refresh: bool = False) -> dict:
     """
     config = with_refresh(config, refresh)
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+    keep_run_traces(config.home)
     with pipeline_run("data", {"data": config.data.model_dump(mode="json")}):
         return run_data_pipeline(config)

@@ -18,6 +18,7 @@ from prefect import flow
 
 from crawl2chat.flows.data import run_data_pipeline, with_refresh
 from crawl2chat.infra.lineage import folder_input_tags, model_input_tags
+from crawl2chat.infra.console import keep_run_traces
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.stages.settings import Config, SettingsError
 from crawl2chat.stages.training.registry import STAGES, TrainingStage
@@ -45,6 +46,7 @@ def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
     """
     config = with_refresh(config, refresh)
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+    keep_run_traces(config.home)
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
@@ -57,6 +59,7 @@ def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
 def train_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     """Every training stage from an existing data-stage folder: base model, SFT, reward model, PPO (DPO)."""
     setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+    keep_run_traces(config.home)
     with pipeline_run("train", {"config": config.model_dump(mode="json"), "data": data}) as run:
         data = str(Path(data).resolve())
         base = train(config, "pretrain", {"data": data}, data_lineage(data))
@@ -108,6 +111,7 @@ def _single_stage_flow(stage: TrainingStage):
     def run_stage(config: Config = Config(), **given: str) -> dict:
         inputs = stage_inputs(stage, config, given)
         setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
+        keep_run_traces(config.home)
         with pipeline_run(stage.name, {stage.name: getattr(config, stage.name).model_dump(mode="json"), **inputs}):
             if stage.prepare_on_host:  # a stage that reads a dataset links its version's run
                 lineage = data_lineage(str(Path(inputs["data"]).resolve()))

@@ -62,6 +62,42 @@ def filter_terminal_handlers(logger_name: str) -> None:
             handler.addFilter(ChatterFilter())
 
 
+RUN_TRACES = "logs/flow-runs.log"  # under the project folder (home): every flow and task run's log lines
+
+
+class RunTraceFilter(logging.Filter):
+    """For a terminal handler: holds back the traceback Prefect logs when a flow or task
+    run fails (an ERROR record with ``exc_info``). The command's last line says what
+    failed in one sentence; the trace stays in the run's logs (Prefect's API, the UI)
+    and in ``HOME/logs/flow-runs.log``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return verbose() or not (record.exc_info and record.name.startswith(("prefect.flow_runs",
+                                                                              "prefect.task_runs")))
+
+
+def keep_run_traces(home: str | os.PathLike) -> str:
+    """Write this process's flow and task run log lines to ``HOME/logs/flow-runs.log`` and
+    keep failed runs' tracebacks off the terminal (:class:`RunTraceFilter`); returns the
+    log file's path. Called by each flow as it starts, when Prefect's own handlers exist."""
+    from pathlib import Path
+
+    path = (Path(home) / RUN_TRACES).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in logger.handlers):
+            handler = logging.FileHandler(path, encoding="utf-8")
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+        for handler in logger.handlers:
+            terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            if terminal and not any(isinstance(f, RunTraceFilter) for f in handler.filters):
+                handler.addFilter(RunTraceFilter())
+    return str(path)
+
+
 def quiet_libraries() -> None:
     """Turn the libraries' own notices down in this process (and the ones it starts),
     unless verbose. Called by every entry point before the libraries load (a Prefect

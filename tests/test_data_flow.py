@@ -37,6 +37,19 @@ def test_bad_config_field_is_named(tmp_path):
     assert proc.returncode == 2 and "data.dedupe" in proc.stderr
 
 
+def test_a_missing_input_ends_in_one_sentence_with_the_trace_in_the_log(tmp_path):
+    """The flow run fails inside Prefect: its traceback goes to HOME/logs/flow-runs.log,
+    not the terminal, whose only line names the missing file and the trace's place."""
+    missing = tmp_path / "nowhere" / "crawl.warc.gz"
+    proc = subprocess.run(CLI + ["data", "--input", str(missing), "--out", str(tmp_path / "out")], cwd=tmp_path,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    terminal = (proc.stdout + proc.stderr).strip().splitlines()
+    assert terminal == [f"error: input path does not exist: '{missing}' (trace: .crawl2chat/logs/flow-runs.log)"]
+    trace = (tmp_path / ".crawl2chat" / "logs" / "flow-runs.log").read_text()
+    assert "Traceback (most recent call last)" in trace and "FileNotFoundError" in trace
+
+
 @pytest.mark.slow
 def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path):
     home = tmp_path / "home"
