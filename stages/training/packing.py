@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -345,13 +346,20 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
         if "augmented_from" in columns:  # a superseded document's augmented copies go with it
             ds = ds.filter(expr=col("augmented_from").is_null() | col("augmented_from").not_in(sorted(superseded)))
     ds = ds.filter(expr=col("text").is_not_null() & (col("text") != ""))
-    ds = ds.map_batches(
-        _TokenizeBatch,
-        fn_constructor_args=(str(tokenizer_file), val_fraction, group_column, use_weights),
-        batch_format="numpy",
-        batch_size=256,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, (num_cpus or os.cpu_count() or 1))),
-    )
+    with warnings.catch_warnings():
+        # ``max_restarts`` has no named parameter yet and goes through the (deprecated)
+        # remote-args keywords. No actor restarts: packing is rerun whole after a failure,
+        # and a restartable actor whose constructor arguments sit in the object store
+        # makes Ray's core worker print a warning on the terminal at every start.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        ds = ds.map_batches(
+            _TokenizeBatch,
+            fn_constructor_args=(str(tokenizer_file), val_fraction, group_column, use_weights),
+            batch_format="numpy",
+            batch_size=256,
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, (num_cpus or os.cpu_count() or 1))),
+            max_restarts=0,
+        )
     yield from ds.iter_batches(batch_format="numpy", batch_size=1024)
 
 
