@@ -274,7 +274,7 @@ class ContrastiveStage(TrainStage):
     out: str = "runs/contrastive"
     registered_name: str | None = STAGES["contrastive"].registered_name
     train: ContrastiveConfig = Field(default_factory=lambda: ContrastiveConfig(
-        preset="tiny", vocab_size=2048, seq_len=64, micro_batch_size=32, max_steps=200, warmup_steps=20, lr=1e-3,
+        seq_len=64, micro_batch_size=32, max_steps=200, warmup_steps=20, lr=1e-3,
         min_lr=1e-4, eval_every=100, eval_batches=5, checkpoint_every=100, val_fraction=0.1, queue_size=4096),
         description="Training settings.")
 

@@ -312,3 +312,13 @@ def test_resumes_exactly(trained, cluster_data):
     assert json.loads((trained / "metrics.json").read_text())["steps"] == 42
     for s in range(36, 41):
         assert again[s]["loss"] == pytest.approx(first[s]["loss"], rel=1e-6, abs=1e-7), s
+
+
+def test_settings_an_initial_encoder_decides_are_refused_beside_it():
+    from pydantic import ValidationError
+
+    from crawl2chat.stages.training.settings import ContrastiveConfig
+
+    with pytest.raises(ValidationError, match="preset, vocab_size do\\(es\\) not apply with init_encoder"):
+        ContrastiveConfig(init_encoder="runs/mlm/model", preset="tiny", vocab_size=300)
+    assert ContrastiveConfig(init_encoder="runs/mlm/model").init_encoder == "runs/mlm/model"

@@ -355,6 +355,8 @@ class ContrastiveConfig(EncoderPretrainConfig):
     the queue of a momentum encoder's past embeddings (MoCo, He et al., 2020)."""
 
     seq_len: int = Field(64, ge=16)  # tokens per window, with <|cls|> and <|sep|>
+    preset: Literal["tiny", "cpu-small", "cpu", "base"] = "tiny"  # a sentence encoder for CPUs by default
+    vocab_size: int = 2048  # of the tokenizer trained on the data when no tokenizer or init_encoder is given
     temperature: float = Field(0.05, gt=0)  # InfoNCE temperature on cosine similarities
     pooling: Literal["mean", "cls"] = "mean"  # sentence embedding: mean of the token states, or <|cls|>'s
     dropout: float = Field(0.1, ge=0, lt=1)  # hidden and attention dropout: the augmentation
@@ -368,6 +370,18 @@ class ContrastiveConfig(EncoderPretrainConfig):
     positives: Literal["auto", "clusters", "dropout"] = "auto"
     init_encoder: str | None = None  # an `mlm` model folder to start from (its tokenizer and held-out split)
     retrieval_pairs: int = Field(200, ge=2)  # held-out positive pairs the retrieval figures are measured on
+
+    @model_validator(mode="after")
+    def _encoder_brings_its_shape(self):
+        """With ``init_encoder`` the model's shape and tokenizer are the encoder's own: the
+        fields that would build them are refused when set to anything but their default."""
+        if self.init_encoder:
+            moot = [f for f in ("preset", "vocab_size", "tokenizer_type", "tokenizer_max_docs")
+                    if f in self.model_fields_set and getattr(self, f) != type(self).model_fields[f].default]
+            if moot:
+                raise ValueError(f"{', '.join(moot)} do(es) not apply with init_encoder (the encoder's own "
+                                 "configuration and tokenizer are used)")
+        return self
 
     @model_validator(mode="after")
     def _hard_negatives_in_queue(self):
