@@ -320,5 +320,5 @@ def test_settings_an_initial_encoder_decides_are_refused_beside_it():
     from crawl2chat.stages.training.settings import ContrastiveConfig
 
     with pytest.raises(ValidationError, match="preset, vocab_size do\\(es\\) not apply with init_encoder"):
-        ContrastiveConfig(init_encoder="runs/mlm/model", preset="tiny", vocab_size=300)
+        ContrastiveConfig(init_encoder="runs/mlm/model", preset="cpu", vocab_size=300)
     assert ContrastiveConfig(init_encoder="runs/mlm/model").init_encoder == "runs/mlm/model"
