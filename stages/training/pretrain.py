@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
     if acc.is_main_process:
         save_model(acc.unwrap_model(trainer.model), state_dict, tok_dir, out / "model", split=index.get("split"))
         # What the batches held: each group's token share next to the share its weights give.
-        summary.update(sampling=windows.sampling, **windows.shares(trainer.state.batch_index, acc.num_processes))
+        summary.update(sampling=windows.sampling, **windows.shares(trainer.state.batch_index, trainer.dp_world))
         if index.get("split"):
             summary.update(split=index["split"]["name"], split_val_fraction=index["split"]["val_fraction"])
         # The same validation tokens the model was scored on (the targets of its windows).

@@ -124,6 +124,11 @@ class TrainConfig(LoopConfig):
     eval_batches: int = 20
     peak_flops: float | None = None  # per device, for MFU; measured at start when unset
     rollback: RollbackConfig = Field(default_factory=RollbackConfig)
+    tp_size: int = Field(
+        1, ge=1,
+        description="Tensor parallelism of the Llama decoder (attention heads and MLP split over this many "
+                    "processes, DTensor); must equal the number of processes and divide the model's heads, "
+                    "key/value heads and intermediate size. 1: off (data parallelism only).")
     # Fault injection for exercising the rollback path: the loss of these
     # global batch indices is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list)
@@ -226,6 +231,7 @@ NOT_FOR_PPO = {
     "eval_every": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
     "eval_batches": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
     "peak_flops": "PPO reports no MFU",
+    "tp_size": "PPO's actor and critic are data-parallel only",
 }
 # PPO's rollback fires on non-finite numbers (sampling, scores, weights), not on loss spikes.
 NOT_FOR_PPO_ROLLBACK = {

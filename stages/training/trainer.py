@@ -376,12 +376,23 @@ class JsonStateAccelerator(Accelerator):
     ``custom_state_<i>.safetensors`` beside its JSON, loaded after it.
     """
 
+    # The tensor-parallel mesh when ``tp_size`` > 1 (:func:`make_accelerator`), else None.
+    tp_mesh = None
+
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         registered, self._custom_objects = self._custom_objects, []
+        # Tensor parallel: Accelerate would write the main process's shards only; every
+        # rank writes its own model and optimizer shards instead (``tp_rank<r>_*``).
+        sharded, self._models, self._optimizers = self._tp_sharded(), *(([], []) if self.tp_mesh is not None
+                                                                        else (self._models, self._optimizers))
         try:
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         finally:
             self._custom_objects = registered
+            if sharded is not None:
+                self._models, self._optimizers = sharded
+        if sharded is not None:
+            self._save_tp_shards(Path(location), *sharded)
         if self.is_main_process:
             for i, obj in enumerate(registered):
                 path = Path(location) / CUSTOM_STATE.format(i)
@@ -403,11 +414,21 @@ class JsonStateAccelerator(Accelerator):
         if pickled:
             raise ValueError(f"checkpoint {folder} holds pickled state ({', '.join(pickled)}), which is never "
                              "loaded; resume from a checkpoint written by this version or start the run again")
+        tp_files = sorted(p.name for p in folder.glob(TP_LAYOUT))
+        if self.tp_mesh is None and tp_files:
+            raise ValueError(f"checkpoint {folder} was written with tensor parallelism ({TP_LAYOUT}); resume it "
+                             "with the same tp_size and number of processes")
         registered, self._custom_objects = self._custom_objects, []
+        sharded, self._models, self._optimizers = self._tp_sharded(), *(([], []) if self.tp_mesh is not None
+                                                                        else (self._models, self._optimizers))
         try:
             result = super().load_state(str(folder), **kwargs)
         finally:
             self._custom_objects = registered
+            if sharded is not None:
+                self._models, self._optimizers = sharded
+        if sharded is not None:
+            self._load_tp_shards(folder, *sharded)
         for i, obj in enumerate(registered):
             path = folder / CUSTOM_STATE.format(i)
             try:
@@ -424,6 +445,59 @@ class JsonStateAccelerator(Accelerator):
                 obj.load_tensor_state_dict(load_file(str(tensors_path)))
         return result
 
+    # ------------------------------------------------------------ tensor parallel
+
+    def _tp_sharded(self):
+        return (self._models, self._optimizers) if self.tp_mesh is not None else None
+
+    def _save_tp_shards(self, folder: Path, models, optimizers) -> None:
+        from safetensors.torch import save_file
+
+        from crawl2chat.stages.training.parallel import local_state
+
+        if len(models) != 1 or len(optimizers) != 1:
+            raise ValueError("tensor-parallel checkpoints hold one model and one optimizer")
+        tensors, meta = local_state(models[0], optimizers[0].optimizer)
+        r = self.process_index
+        save_file(tensors, str(folder / TP_SHARD.format(r, "safetensors")))
+        (folder / TP_SHARD.format(r, "json")).write_text(json.dumps(meta, allow_nan=True))
+        if self.is_main_process:
+            (folder / TP_LAYOUT).write_text(json.dumps(self._tp_layout()))
+        self.wait_for_everyone()
+
+    def _tp_layout(self) -> dict[str, int]:
+        return {"tp_size": self.tp_mesh.size(), "num_processes": self.num_processes}
+
+    def _load_tp_shards(self, folder: Path, models, optimizers) -> None:
+        from safetensors.torch import load_file
+
+        from crawl2chat.stages.training.parallel import load_local_state
+
+        try:
+            layout = json.loads((folder / TP_LAYOUT).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"checkpoint {folder} has no readable {TP_LAYOUT} (written without tensor "
+                             f"parallelism?); resume it with the layout it was written with: {e}") from e
+        if layout != self._tp_layout():
+            raise ValueError(f"checkpoint {folder} was written with {layout}; this run has {self._tp_layout()}; "
+                             "resume with the same tp_size and number of processes")
+        r = self.process_index
+        meta = json.loads((folder / TP_SHARD.format(r, "json")).read_text())
+        load_local_state(models[0], optimizers[0].optimizer, load_file(str(folder / TP_SHARD.format(r, "safetensors"))),
+                         meta)
+
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Under tensor parallelism every tensor gathered whole (a collective: every rank calls it)."""
+        if self.tp_mesh is not None:
+            from crawl2chat.stages.training.parallel import full_state_dict
+
+            return full_state_dict(self.unwrap_model(model) if unwrap else model)
+        return super().get_state_dict(model, unwrap=unwrap)
+
+
+TP_LAYOUT = "tensor_parallel.json"  # in a tensor-parallel checkpoint: its tp_size and number of processes
+TP_SHARD = "tp_rank{}_state.{}"  # each rank's model and optimizer shards (safetensors) and optimizer layout (JSON)
+
 
 def make_accelerator(cfg: LoopConfig):
     from accelerate.utils import InitProcessGroupKwargs, set_seed
@@ -437,6 +511,17 @@ def make_accelerator(cfg: LoopConfig):
     acc = JsonStateAccelerator(mixed_precision=resolve_mixed_precision(cfg.mixed_precision), kwargs_handlers=handlers)
     if acc.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
+    tp_size = cfg.tp_size if isinstance(cfg, TrainConfig) else 1  # PPO refuses tp_size
+    if tp_size > 1:
+        from accelerate.utils import DistributedType
+
+        from crawl2chat.stages.training.parallel import check_tp_size, tp_mesh
+
+        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise ValueError(f"tp_size={tp_size} runs over the plain or DDP accelerate configs, not "
+                             f"{acc.distributed_type.value}; drop accelerate_config or set tp_size=1")
+        check_tp_size(tp_size, acc.num_processes)
+        acc.tp_mesh = tp_mesh(tp_size, acc.device.type)
     set_seed(cfg.seed)
     return acc
 
@@ -474,8 +559,19 @@ class Trainer:
         self.after_step = after_step  # run after each optimizer step (e.g. a momentum encoder's update)
         self.flops_per_token = flops_per_token
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
-        self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.world
+        mesh = getattr(accelerator, "tp_mesh", None)
+        self.tp_size = mesh.size() if mesh is not None else 1
+        # The data-parallel position that draws batches: every rank of a tensor-parallel
+        # group must see the same batch (with tp_size == processes, one group, one stream).
+        self.dp_world, self.dp_rank = self.world // self.tp_size, self.rank // self.tp_size
+        self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.dp_world
 
+        if mesh is not None:
+            from crawl2chat.stages.training.parallel import parallelize_decoder
+
+            # Sharded before the optimizer sees the parameters; prepared in evaluation mode
+            # below: placement and mixed precision, no DDP wrap (there is no data parallelism).
+            parallelize_decoder(model.to(accelerator.device), mesh)
         optimizer = build_optimizer(model, cfg)
         plugin = accelerator.state.deepspeed_plugin
         self.deepspeed = plugin is not None
@@ -486,7 +582,11 @@ class Trainer:
                 train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                 train_batch_size=cfg.micro_batch_size * cfg.grad_accum * self.world, gradient_clipping=cfg.clip_norm)
             accelerator.gradient_accumulation_steps = cfg.grad_accum
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if mesh is not None:
+            self.model = accelerator.prepare_model(model, evaluation_mode=True)
+            self.optimizer = accelerator.prepare_optimizer(optimizer)
+        else:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
         # The scheduler is stepped by hand once per optimizer step; accelerate's
         # wrapper would step it once per process. DeepSpeed's ZeRO optimizer is no
         # torch optimizer (the schedules read ``defaults``); the one inside it is
@@ -504,7 +604,8 @@ class Trainer:
         """All micro-batches of one global batch on this rank; returns the local mean loss."""
         total = torch.zeros((), device=self.acc.device)
         for micro in range(self.cfg.grad_accum):
-            batch = {k: v.to(self.acc.device) for k, v in self.batch_fn(batch_index, micro, self.rank, self.world).items()}
+            batch = {k: v.to(self.acc.device)
+                     for k, v in self.batch_fn(batch_index, micro, self.dp_rank, self.dp_world).items()}
             last = micro == self.cfg.grad_accum - 1
             if self.deepspeed:
                 # The engine divides the loss by its accumulation steps itself, and
@@ -702,7 +803,7 @@ class Trainer:
         self.model.eval()
         loss_sum = torch.zeros((), device=self.acc.device, dtype=torch.float64)
         count = torch.zeros((), device=self.acc.device, dtype=torch.float64)
-        for batch in self.eval_batches_fn(self.rank, self.world):
+        for batch in self.eval_batches_fn(self.dp_rank, self.dp_world):
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
             loss, n = self.loss_fn(self.model, batch)
             loss_sum += loss.double() * n
@@ -729,6 +830,7 @@ class Trainer:
             # Step 0 checkpoint: the first rollback needs something to return to.
             self.save_checkpoint()
             self.metrics.write({"type": "event", "event": "start", "step": 0, "world_size": self.world,
+                                "tp_size": self.tp_size,
                                 "tokens_per_step": self.tokens_per_step, "peak_flops": self.peak_flops,
                                 "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model))})
         t_start, tokens_start, step_times = time.perf_counter(), self.state.tokens_seen, []
@@ -752,7 +854,7 @@ class Trainer:
         tps = self.tokens_per_step / med if step_times else float("nan")
         summary = {"steps": self.state.step, "tokens": self.state.tokens_seen, "tokens_per_second": tps,
                    "wall_seconds": wall, "tokens_this_run": self.state.tokens_seen - tokens_start,
-                   "rollbacks": self.state.rollbacks, "world_size": self.world,
+                   "rollbacks": self.state.rollbacks, "world_size": self.world, "tp_size": self.tp_size,
                    "threads_per_process": torch.get_num_threads(), "device": str(self.acc.device),
                    "final_train_loss": self.state.recent_losses[-1] if self.state.recent_losses else None,
                    **final_eval}

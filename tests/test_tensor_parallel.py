@@ -1,0 +1,119 @@
+"""Tensor parallelism (``tp_size``) through the real ``accelerate launch`` on the CPU
+(gloo): a 2-process tensor-parallel run against a 1-process run of the same global
+batch, its Hugging Face folder loaded in one process, and resume from a
+tensor-parallel checkpoint against the uninterrupted tensor-parallel run; and the
+refusals of a tp_size the layout or the model cannot be split by."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from crawl2chat.stages.training.models import model_config
+from crawl2chat.stages.training.parallel import check_tp_size
+from crawl2chat.stages.training.pretrain import prepare_data
+from crawl2chat.stages.training.settings import PretrainConfig
+from crawl2chat.stages.training.trainer import read_metrics
+from crawl2chat.tasks.train import launch_training
+from test_pretrain import BASE, corpus_text, steps
+
+# Constant learning rate after warmup: a run stopped at step 12 and resumed with
+# max_steps=20 follows the same schedule as an uninterrupted one. Same global batch
+# (4 sequences) in both layouts: tensor parallelism splits the model, not the batch.
+COMMON = [*BASE, "schedule=constant", "checkpoint_every=10", "eval_every=0", "grad_accum=1"]
+STEPS = 20
+RTOL = 1e-4  # losses of the 2-process TP run against the 1-process run
+WEIGHT_ATOL = 1e-4  # trained weights, TP against 1 process (sums split over ranks round differently)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    corpus = root / "corpus.txt"
+    corpus.write_text(corpus_text(3000))
+    tok_dir, _ = prepare_data(PretrainConfig(vocab_size=320, val_fraction=0.1), corpus, root / "prep")
+    return {"root": root, "corpus": corpus, "tok": tok_dir}
+
+
+def train(shared, name: str, *extra: str, num_processes: int = 1, max_steps: int = STEPS):
+    out = shared["root"] / name
+    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=max_steps,
+                    num_processes=num_processes, overrides=[*COMMON, f"tokenizer={shared['tok']}", *extra])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(shared):
+    return {"single": train(shared, "single"), "tp": train(shared, "tp", "tp_size=2", num_processes=2)}
+
+
+def test_tp_matches_one_process_and_saves_a_whole_model(runs):
+    single, tp = runs["single"], runs["tp"]
+    metrics = json.loads((tp / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["tp_size"] == 2 and metrics["steps"] == STEPS
+    # One data stream: the tokens of a step are the global batch once, not once per rank.
+    assert metrics["tokens"] == json.loads((single / "metrics.json").read_text())["tokens"]
+    ref = np.array([steps(single)[s]["loss"] for s in range(1, STEPS + 1)])
+    got = np.array([steps(tp)[s]["loss"] for s in range(1, STEPS + 1)])
+    print(f"TP vs 1 process over {STEPS} steps: max abs diff {np.abs(got - ref).max():.3g}, "
+          f"max rel diff {(np.abs(got - ref) / np.abs(ref)).max():.3g}")
+    np.testing.assert_allclose(got, ref, rtol=RTOL)
+    gn_ref = np.array([steps(single)[s]["grad_norm"] for s in range(1, STEPS + 1)])
+    gn_tp = np.array([steps(tp)[s]["grad_norm"] for s in range(1, STEPS + 1)])
+    np.testing.assert_allclose(gn_tp, gn_ref, rtol=1e-3)  # clipping saw the whole gradient
+    assert metrics["val_loss"] == pytest.approx(json.loads((single / "metrics.json").read_text())["val_loss"],
+                                                rel=RTOL)
+
+    # The folder holds whole tensors, loads in one process, and matches the 1-process weights.
+    from transformers import AutoModelForCausalLM
+
+    want, have = load_file(single / "model" / "model.safetensors"), load_file(tp / "model" / "model.safetensors")
+    assert want.keys() == have.keys()
+    for k in want:
+        assert have[k].shape == want[k].shape, k
+        torch.testing.assert_close(have[k], want[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    model = AutoModelForCausalLM.from_pretrained(tp / "model")
+    for k, v in model.state_dict().items():
+        if k in have:
+            assert torch.equal(v, have[k]), k
+    tokens = torch.tensor([[3, 17, 40, 5, 9, 100]])
+    with torch.no_grad():
+        ref_model = AutoModelForCausalLM.from_pretrained(single / "model")
+        torch.testing.assert_close(model(tokens).logits, ref_model(tokens).logits, rtol=0, atol=1e-3)
+
+
+def test_tp_resume_matches_uninterrupted(shared, runs):
+    # Stopped after step 12 (checkpoint at 10), then the same command to 20: resumes from step 10.
+    out = train(shared, "tp_resumed", "tp_size=2", num_processes=2, max_steps=12)
+    ckpt = out / "checkpoints" / "step_00000010"
+    assert sorted(p.name for p in ckpt.glob("tp_rank*")) == [
+        "tp_rank0_state.json", "tp_rank0_state.safetensors", "tp_rank1_state.json", "tp_rank1_state.safetensors"]
+    assert not (ckpt / "model.safetensors").exists()
+    train(shared, "tp_resumed", "tp_size=2", num_processes=2, max_steps=STEPS)
+    resumes = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"]
+    assert [r["step"] for r in resumes] == [10]
+    full, got = steps(runs["tp"]), steps(out)
+    assert [got[s]["loss"] for s in range(1, STEPS + 1)] == [full[s]["loss"] for s in range(1, STEPS + 1)]
+    a, b = load_file(runs["tp"] / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_tp_size_is_refused_where_it_cannot_split():
+    with pytest.raises(ValueError, match=r"tp_size=3 must divide the number of processes \(2\)"):
+        check_tp_size(3, 2)
+    with pytest.raises(ValueError, match="not supported"):
+        check_tp_size(2, 4)  # tensor x data parallelism
+    tiny = model_config("tiny", vocab_size=64, seq_len=16)  # 4 heads, 4 kv heads, 192 intermediate
+    check_tp_size(4, 4, tiny)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4, num_key_value_heads=4"):
+        check_tp_size(8, 8, tiny)
+    with pytest.raises(ValueError, match=r"intermediate_size=192"):
+        check_tp_size(5, 5, model_config("tiny", vocab_size=64, seq_len=16, num_attention_heads=5,
+                                         num_key_value_heads=5, hidden_size=80))
+    with pytest.raises(ValueError, match="tp_size"):
+        PretrainConfig(tp_size=0)
