@@ -1,8 +1,9 @@
 """Tensor parallelism (``tp_size``) through the real ``accelerate launch`` on the CPU
 (gloo): a 2-process tensor-parallel run against a 1-process run of the same global
 batch, its Hugging Face folder loaded in one process, and resume from a
-tensor-parallel checkpoint against the uninterrupted tensor-parallel run; and the
-refusals of a tp_size the layout or the model cannot be split by."""
+tensor-parallel checkpoint against the uninterrupted tensor-parallel run, 4 processes
+as two tensor-parallel groups with data parallelism between them; and the refusals of
+a tp_size the layout or the model cannot be split by."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from crawl2chat.stages.training.models import model_config
-from crawl2chat.stages.training.parallel import check_tp_size
+from crawl2chat.stages.training.parallel import LAYER_PLAN, check_tp_size
 from crawl2chat.stages.training.pretrain import prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.training.trainer import read_metrics
@@ -26,6 +27,8 @@ from test_pretrain import BASE, corpus_text, steps
 # (4 sequences) in both layouts: tensor parallelism splits the model, not the batch.
 COMMON = [*BASE, "schedule=constant", "checkpoint_every=10", "eval_every=0", "grad_accum=1"]
 STEPS = 20
+# Half the micro-batch: twice the evaluation batches score the same held-out windows.
+TP = ("tp_size=2", "micro_batch_size=2", "grad_accum=2", "eval_batches=8")
 RTOL = 1e-4  # losses of the 2-process TP run against the 1-process run
 WEIGHT_ATOL = 1e-4  # trained weights, TP against 1 process (sums split over ranks round differently)
 
@@ -48,7 +51,8 @@ def train(shared, name: str, *extra: str, num_processes: int = 1, max_steps: int
 
 @pytest.fixture(scope="module")
 def runs(shared):
-    return {"single": train(shared, "single"), "tp": train(shared, "tp", "tp_size=2", num_processes=2)}
+    # The TP run accumulates two micro-batches of 2 where the 1-process run takes one of 4: the same rows.
+    return {"single": train(shared, "single"), "tp": train(shared, "tp", *TP, num_processes=2)}
 
 
 def test_tp_matches_one_process_and_saves_a_whole_model(runs):
@@ -88,12 +92,23 @@ def test_tp_matches_one_process_and_saves_a_whole_model(runs):
 
 def test_tp_resume_matches_uninterrupted(shared, runs):
     # Stopped after step 12 (checkpoint at 10), then the same command to 20: resumes from step 10.
-    out = train(shared, "tp_resumed", "tp_size=2", num_processes=2, max_steps=12)
+    out = train(shared, "tp_resumed", *TP, num_processes=2, max_steps=12)
     ckpt = out / "checkpoints" / "step_00000010"
     assert sorted(p.name for p in ckpt.glob("tp_rank*")) == [
         "tp_rank0_state.json", "tp_rank0_state.safetensors", "tp_rank1_state.json", "tp_rank1_state.safetensors"]
     assert not (ckpt / "model.safetensors").exists()
-    train(shared, "tp_resumed", "tp_size=2", num_processes=2, max_steps=STEPS)
+    # Replicated parameters (embeddings, norms) got the same gradients on both ranks: equal
+    # bitwise after 10 steps; sharded ones hold different halves of the same shape.
+    r0, r1 = load_file(ckpt / "tp_rank0_state.safetensors"), load_file(ckpt / "tp_rank1_state.safetensors")
+    assert r0.keys() == r1.keys()
+    sharded = [k for k in r0 if k.startswith("model.") and any(f".{n}." in k for n in LAYER_PLAN)]
+    replicated = [k for k in r0 if k.startswith("model.") and k not in sharded]
+    assert len(sharded) == 2 * 7 and {"model.model.embed_tokens.weight", "model.model.norm.weight"} <= set(replicated)
+    for k in replicated:
+        assert torch.equal(r0[k], r1[k]), k
+    for k in sharded:
+        assert r0[k].shape == r1[k].shape and not torch.equal(r0[k], r1[k]), k
+    train(shared, "tp_resumed", *TP, num_processes=2, max_steps=STEPS)
     resumes = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"]
     assert [r["step"] for r in resumes] == [10]
     full, got = steps(runs["tp"]), steps(out)
@@ -106,8 +121,7 @@ def test_tp_resume_matches_uninterrupted(shared, runs):
 def test_tp_size_is_refused_where_it_cannot_split():
     with pytest.raises(ValueError, match=r"tp_size=3 must divide the number of processes \(2\)"):
         check_tp_size(3, 2)
-    with pytest.raises(ValueError, match="not supported"):
-        check_tp_size(2, 4)  # tensor x data parallelism
+    check_tp_size(2, 4)  # 2 tensor-parallel groups of 2, data-parallel between them
     tiny = model_config("tiny", vocab_size=64, seq_len=16)  # 4 heads, 4 kv heads, 192 intermediate
     check_tp_size(4, 4, tiny)
     with pytest.raises(ValueError, match=r"num_attention_heads=4, num_key_value_heads=4"):
@@ -117,3 +131,23 @@ def test_tp_size_is_refused_where_it_cannot_split():
                                          num_key_value_heads=5, hidden_size=80))
     with pytest.raises(ValueError, match="tp_size"):
         PretrainConfig(tp_size=0)
+
+
+@pytest.mark.slow
+def test_tp_groups_with_data_parallel_between_them_match_one_process(shared, runs):
+    """4 processes, tp_size=2: two tensor-parallel groups, each drawing its half of the
+    global batch (2 + 2 rows = the 1-process run's 4), gradients averaged between them."""
+    out = train(shared, "tp_dp", "tp_size=2", "micro_batch_size=2", "eval_batches=8", num_processes=4)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["tp_size"] == 2
+    assert metrics["tokens"] == json.loads((runs["single"] / "metrics.json").read_text())["tokens"]
+    ref = np.array([steps(runs["single"])[s]["loss"] for s in range(1, STEPS + 1)])
+    got = np.array([steps(out)[s]["loss"] for s in range(1, STEPS + 1)])
+    print(f"TP x DP vs 1 process over {STEPS} steps: max abs diff {np.abs(got - ref).max():.3g}, "
+          f"max rel diff {(np.abs(got - ref) / np.abs(ref)).max():.3g}")
+    np.testing.assert_allclose(got, ref, rtol=RTOL)
+    assert metrics["val_loss"] == pytest.approx(json.loads((runs["single"] / "metrics.json").read_text())["val_loss"],
+                                                rel=RTOL)
+    want, have = load_file(runs["single"] / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=0, atol=WEIGHT_ATOL, msg=k)

@@ -41,9 +41,6 @@ def check_tp_size(tp_size: int, world: int, config: Any | None = None) -> None:
     if world % tp_size:
         raise ValueError(f"tp_size={tp_size} must divide the number of processes ({world}); "
                          f"launch with --num-processes a multiple of {tp_size}")
-    if world != tp_size:
-        raise ValueError(f"tp_size={tp_size} with {world} processes would combine tensor and data parallelism "
-                         f"(2-D), which is not supported; set tp_size to the number of processes ({world}) or 1")
     if config is None:
         return
     bad = [f"{name}={getattr(config, name)}" for name in
@@ -54,11 +51,31 @@ def check_tp_size(tp_size: int, world: int, config: Any | None = None) -> None:
                          "choose a tp_size that divides each of them")
 
 
-def tp_mesh(tp_size: int, device_type: str):
-    """The 1-D tensor-parallel mesh over every process (``tp_size`` == world size)."""
+def tp_mesh(tp_size: int, world: int, device_type: str):
+    """The 2-D mesh ``(dp, tp)`` over every process: consecutive ranks form a tensor-parallel
+    group (rank // tp_size is the data-parallel index, the batch stream a group draws)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (tp_size,), mesh_dim_names=("tp",))
+    return init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def all_reduce_data_parallel(model: torch.nn.Module, mesh) -> None:
+    """Average every gradient over the data-parallel dimension of ``mesh`` (one flat
+    all-reduce; each rank's local shard with the same shards of the other groups)."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    dp = mesh["dp"]
+    if dp.size() == 1:
+        return
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=dp.get_group())
+    flat /= dp.size()
+    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
 
 
 def decoder_layers(model: torch.nn.Module):
@@ -79,7 +96,7 @@ def _has(module: torch.nn.Module, dotted: str) -> bool:
 
 
 def parallelize_decoder(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """Shard every decoder layer of ``model`` over the 1-D ``mesh`` (in place); returns it.
+    """Shard every decoder layer of ``model`` over the 1-D tensor-parallel ``mesh`` (in place); returns it.
     The model must already be on the mesh's device type."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

@@ -127,8 +127,9 @@ class TrainConfig(LoopConfig):
     tp_size: int = Field(
         1, ge=1,
         description="Tensor parallelism of the Llama decoder (attention heads and MLP split over this many "
-                    "processes, DTensor); must equal the number of processes and divide the model's heads, "
-                    "key/value heads and intermediate size. 1: off (data parallelism only).")
+                    "processes, DTensor); must divide the number of processes (groups of tp_size consecutive ranks, "
+                    "data-parallel between groups) and the model's heads, key/value heads and intermediate size. "
+                    "1: off (data parallelism only).")
     # Fault injection for exercising the rollback path: the loss of these
     # global batch indices is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list)

@@ -466,7 +466,7 @@ class JsonStateAccelerator(Accelerator):
         self.wait_for_everyone()
 
     def _tp_layout(self) -> dict[str, int]:
-        return {"tp_size": self.tp_mesh.size(), "num_processes": self.num_processes}
+        return {"tp_size": self.tp_mesh["tp"].size(), "num_processes": self.num_processes}
 
     def _load_tp_shards(self, folder: Path, models, optimizers) -> None:
         from safetensors.torch import load_file
@@ -521,7 +521,7 @@ def make_accelerator(cfg: LoopConfig):
             raise ValueError(f"tp_size={tp_size} runs over the plain or DDP accelerate configs, not "
                              f"{acc.distributed_type.value}; drop accelerate_config or set tp_size=1")
         check_tp_size(tp_size, acc.num_processes)
-        acc.tp_mesh = tp_mesh(tp_size, acc.device.type)
+        acc.tp_mesh = tp_mesh(tp_size, acc.num_processes, acc.device.type)
     set_seed(cfg.seed)
     return acc
 
@@ -560,18 +560,20 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         mesh = getattr(accelerator, "tp_mesh", None)
-        self.tp_size = mesh.size() if mesh is not None else 1
+        self.tp_size = mesh["tp"].size() if mesh is not None else 1
         # The data-parallel position that draws batches: every rank of a tensor-parallel
         # group must see the same batch (with tp_size == processes, one group, one stream).
         self.dp_world, self.dp_rank = self.world // self.tp_size, self.rank // self.tp_size
+        self.mesh = mesh
         self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.dp_world
 
         if mesh is not None:
             from crawl2chat.stages.training.parallel import parallelize_decoder
 
             # Sharded before the optimizer sees the parameters; prepared in evaluation mode
-            # below: placement and mixed precision, no DDP wrap (there is no data parallelism).
-            parallelize_decoder(model.to(accelerator.device), mesh)
+            # below: placement and mixed precision, no DDP wrap (the data-parallel gradient
+            # average, when there are several groups, is train_step's).
+            parallelize_decoder(model.to(accelerator.device), mesh["tp"])
         optimizer = build_optimizer(model, cfg)
         plugin = accelerator.state.deepspeed_plugin
         self.deepspeed = plugin is not None
@@ -626,6 +628,10 @@ class Trainer:
         batch_index = self.state.batch_index
         self.model.train()
         local_loss = self.forward_backward_step(batch_index)
+        if self.mesh is not None:
+            from crawl2chat.stages.training.parallel import all_reduce_data_parallel
+
+            all_reduce_data_parallel(self.acc.unwrap_model(self.model), self.mesh)
         loss = self.acc.reduce(local_loss, reduction="mean").item()
         grad_norm = self.clip_grad_norm()
 
