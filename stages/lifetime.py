@@ -218,11 +218,19 @@ def reap(token: str, settle: float = 2.0, limit: float = 30.0) -> list[int]:
 
 
 def _reaper_main(token: str) -> None:
+    """Wait for the command to end, then reap. The end is the pipe's EOF, or this process
+    being re-parented: a process the command forked without exec holds a copy of the
+    pipe's write end and would delay the EOF for as long as it lives."""
+    import select
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    parent = os.getppid()
     try:
-        while sys.stdin.buffer.read(65536):
-            pass
+        while os.getppid() == parent:
+            ready, _, _ = select.select([sys.stdin.fileno()], [], [], 0.5)
+            if ready and not os.read(sys.stdin.fileno(), 65536):
+                break
     except OSError:
         pass
     reap(token)

@@ -533,8 +533,19 @@ def _with_shard_columns(batch: pa.Table) -> pa.Table:
     return pa.table(columns)
 
 
-def _rename_in_order(folder: Path, prefix: str) -> list[Path]:
-    parts = sorted(folder.glob("*.parquet"))
+def _combined(batch: pa.Table) -> pa.Table:
+    """One contiguous chunk per column, so the Parquet pages written do not depend on
+    how the rows were chunked in memory."""
+    return batch.combine_chunks()
+
+
+def _first_id(path: Path) -> str:
+    ids = pq.read_table(path, columns=["id"]).column(0)
+    return ids[0].as_py() if len(ids) else ""
+
+
+def _rename_in_order(folder: Path, prefix: str, key: Callable[[Path], Any] | None = None) -> list[Path]:
+    parts = sorted(folder.glob("*.parquet"), key=key)
     named = []
     for i, part in enumerate(parts):
         target = folder / f"{prefix}-{i:05d}.parquet"
@@ -570,10 +581,19 @@ def write_dataset(
         if last.kept:
             n_shards = max(1, -(-last.bytes_in // max(shard_bytes, 1)))
             ds = read_kept(last.out_dir).map_batches(_with_shard_columns, batch_format="pyarrow")
-            # Sorted by id, then cut into equal runs: the same documents make byte-identical
-            # shards (and so the same content digest) however the steps' blocks arrived.
-            ds.sort("id").repartition(n_shards).write_parquet(str(tmp / "shards"), compression="zstd")
-        new_shards = _rename_in_order(tmp / "shards", f"{version}-shard")
+            # Sorted by id and cut into runs of exactly ``rows`` documents, in order: the same
+            # documents make byte-identical shards (and so the same content digest) however
+            # the steps' blocks arrived, which is what a rerun after a kill is compared on.
+            rows = max(1, -(-last.kept // n_shards))
+            ctx = ray.data.DataContext.get_current()
+            preserve, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
+            try:
+                (ds.sort("id").repartition(target_num_rows_per_block=rows, strict=True)
+                 .map_batches(_combined, batch_format="pyarrow", batch_size=None)
+                 .write_parquet(str(tmp / "shards"), compression="zstd"))
+            finally:
+                ctx.execution_options.preserve_order = preserve
+        new_shards = _rename_in_order(tmp / "shards", f"{version}-shard", key=_first_id)
 
         # Step folders differ in columns, so each is mapped to the quarantine schema first.
         rejected = [
