@@ -127,7 +127,7 @@ def train(
                           for name in ("pretrain", "sft", "reward", "ppo", "dpo") if name in result))
 
 
-def _guarded(body, home: str):
+def _guarded(body, home: str | None = None):
     """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence,
     a full disk) ends in one sentence and exit status 2, the full trace being in the
     stage's log or ``HOME/logs/flow-runs.log``."""
@@ -145,8 +145,8 @@ def _guarded(body, home: str):
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
     except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError) as e:
-        traces = Path(home) / RUN_TRACES
-        _fail(f"{e}" + (f" (trace: {traces})" if traces.exists() else ""), 2)
+        traces = Path(home) / RUN_TRACES if home else None
+        _fail(f"{e}" + (f" (trace: {traces})" if traces and traces.exists() else ""), 2)
     except (OSError, MemoryError) as e:  # out of disk space, a file size limit or memory: a rerun fails again
         from crawl2chat.stages.resources import exhaustion
 
