@@ -3,7 +3,8 @@
 A step's work happens in Ray worker processes, so the driver cannot see how far
 it got. Each step wraps its per-document function (:class:`Counted`,
 :class:`CountedClass`): once a batch is done, the worker adds its row count to a
-small tally actor (a fire-and-forget call, nothing waits for it). While the job
+small tally actor (one short call per batch, waited for, so the total read when
+the job has ended is complete). While the job
 runs, :func:`counting` reads the tally every ``every`` seconds on the driver and
 hands the number to the caller's ``on_count``; the caller decides how to show it
 (the Prefect tasks draw a progress line). Without ``on_count`` there is no tally
@@ -54,9 +55,12 @@ def batch_rows(batch: Any) -> int:
 
 
 def report(tally: Any, name: str, n: int) -> None:
-    """Add ``n`` to the tally (from a Ray worker); a tally of ``None`` counts nothing."""
+    """Add ``n`` to the tally (from a Ray worker) and wait until it is recorded: calls from
+    different workers are not ordered with the driver's last read, so a batch whose count
+    were still in flight when its job ended would be missing from the final figure. A
+    tally of ``None`` counts nothing."""
     if tally is not None and n:
-        tally.add.remote(name, n)
+        ray.get(tally.add.remote(name, n))
 
 
 class Counted:
