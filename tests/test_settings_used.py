@@ -49,7 +49,7 @@ EVIDENCE: dict[type, dict[str, str]] = {
     S.PretrainConfig: {**TRAINER, "seq_len": "pretrain", "eval_batches": "pretrain", "grad_checkpointing": "pretrain",
                        "preset": "pretrain", "vocab_size": "pretrain", "tokenizer": "pretrain",
                        "tokenizer_max_docs": "pretrain", "val_fraction": "pretrain", "tokenizer_type": "pretrain",
-                       "sample_by_weight": "pretrain"},
+                       "sample_by_weight": "pretrain", "pp_size": "trainer", "pp_schedule": "trainer"},
     S.SFTConfig: {**TRAINER, "seq_len": "sft", "grad_checkpointing": "sft", "pack": "sft", "val_fraction": "sft"},
     S.RewardConfig: {**TRAINER, "seq_len": "reward", "grad_checkpointing": "reward", "val_fraction": "reward",
                      "margin": "reward"},

@@ -94,12 +94,13 @@ def test_tp_resume_matches_uninterrupted(shared, runs):
     # Stopped after step 12 (checkpoint at 10), then the same command to 20: resumes from step 10.
     out = train(shared, "tp_resumed", *TP, num_processes=2, max_steps=12)
     ckpt = out / "checkpoints" / "step_00000010"
-    assert sorted(p.name for p in ckpt.glob("tp_rank*")) == [
-        "tp_rank0_state.json", "tp_rank0_state.safetensors", "tp_rank1_state.json", "tp_rank1_state.safetensors"]
+    assert sorted(p.name for p in ckpt.glob("rank*_state.*")) == [
+        "rank0_state.json", "rank0_state.safetensors", "rank1_state.json", "rank1_state.safetensors"]
+    assert json.loads((ckpt / "parallel_layout.json").read_text()) == {"tp_size": 2, "pp_size": 1, "num_processes": 2}
     assert not (ckpt / "model.safetensors").exists()
     # Replicated parameters (embeddings, norms) got the same gradients on both ranks: equal
     # bitwise after 10 steps; sharded ones hold different halves of the same shape.
-    r0, r1 = load_file(ckpt / "tp_rank0_state.safetensors"), load_file(ckpt / "tp_rank1_state.safetensors")
+    r0, r1 = load_file(ckpt / "rank0_state.safetensors"), load_file(ckpt / "rank1_state.safetensors")
     assert r0.keys() == r1.keys()
     sharded = [k for k in r0 if k.startswith("model.") and any(f".{n}." in k for n in LAYER_PLAN)]
     replicated = [k for k in r0 if k.startswith("model.") and k not in sharded]

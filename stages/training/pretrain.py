@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from crawl2chat.stages.training.models import build_model, flops_per_token, model_config, num_params
+from crawl2chat.stages.training.pipeline import whole_model
 from crawl2chat.stages.training.packing import INDEX, load_documents, load_index, open_tokens, pack_shards
 from crawl2chat.stages.training.tokenizer import check_tokenizer, load_tokenizer, train_tokenizer
 from crawl2chat.stages.training.stage import (finished_summary, resolve, run_script, save_model, stage_parser,
@@ -286,7 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
     acc.wait_for_everyone()
     state_dict = acc.get_state_dict(trainer.model)
     if acc.is_main_process:
-        save_model(acc.unwrap_model(trainer.model), state_dict, tok_dir, out / "model", split=index.get("split"))
+        # Under pipeline parallelism each rank holds its stage only: the gathered stages make one model.
+        whole = whole_model(mconf, state_dict) if trainer.pipeline is not None else acc.unwrap_model(trainer.model)
+        save_model(whole, state_dict, tok_dir, out / "model", split=index.get("split"))
         # What the batches held: each group's token share next to the share its weights give.
         summary.update(sampling=windows.sampling, **windows.shares(trainer.state.batch_index, trainer.dp_world))
         if index.get("split"):
@@ -294,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
         # The same validation tokens the model was scored on (the targets of its windows).
         scored = windows.val[1:1 + max(1, windows.eval_tokens())]
         summary["unigram_bpb"] = unigram_bpb(windows.train, scored, mconf.vocab_size, tokens_per_byte)
-        summary.update(preset=cfg.preset, params=num_params(model), vocab_size=mconf.vocab_size,
+        summary.update(preset=cfg.preset, params=num_params(whole), vocab_size=mconf.vocab_size,
                        tokenizer=str(tok_dir.resolve()), data=str(Path(args.data).resolve()),
                        data_index=str((data_dir / INDEX).resolve()), model_dir=str((out / "model").resolve()))
         (out / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -165,6 +165,15 @@ class PretrainConfig(TrainConfig):
     # language's (or source's) token share follows the balance target; False: uniform windows over
     # the packed tokens (the corpus's natural mixture). Data without weights is read uniformly.
     sample_by_weight: bool = True
+    pp_size: int = Field(
+        1, ge=1,
+        description="Pipeline parallelism: the decoder layers split into this many contiguous stages, one per "
+                    "process of a pipeline (torch.distributed.pipelining); must divide the number of processes "
+                    "(pipelines of pp_size consecutive ranks, data-parallel between them) and be at most the "
+                    "model's layers. The grad_accum micro-batches are the pipeline's micro-batches. 1: off.")
+    pp_schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b", description="The pipeline schedule when pp_size > 1: GPipe (all forwards, then all backwards) or "
+                            "1F1B (one forward then one backward per micro-batch once the pipeline is full).")
 
 
 # ---------------------------------------------------------------- sft

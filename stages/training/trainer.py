@@ -376,15 +376,22 @@ class JsonStateAccelerator(Accelerator):
     ``custom_state_<i>.safetensors`` beside its JSON, loaded after it.
     """
 
-    # The tensor-parallel mesh when ``tp_size`` > 1 (:func:`make_accelerator`), else None.
+    # The tensor-parallel mesh ``(dp, tp)`` when ``tp_size`` > 1, the pipeline mesh
+    # ``(dp, pp)`` when ``pp_size`` > 1 (:func:`make_accelerator`), else None.
     tp_mesh = None
+    pp_mesh = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds a different part of the model (tensor or pipeline parallel)."""
+        return self.tp_mesh is not None or self.pp_mesh is not None
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         registered, self._custom_objects = self._custom_objects, []
-        # Tensor parallel: Accelerate would write the main process's shards only; every
-        # rank writes its own model and optimizer shards instead (``tp_rank<r>_*``).
-        sharded, self._models, self._optimizers = self._tp_sharded(), *(([], []) if self.tp_mesh is not None
-                                                                        else (self._models, self._optimizers))
+        # Tensor or pipeline parallel: Accelerate would write the main process's part only;
+        # every rank writes its own model and optimizer part instead (``rank<r>_state.*``).
+        sharded, self._models, self._optimizers = self._parts(), *(([], []) if self.sharded
+                                                                   else (self._models, self._optimizers))
         try:
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         finally:
@@ -392,7 +399,7 @@ class JsonStateAccelerator(Accelerator):
             if sharded is not None:
                 self._models, self._optimizers = sharded
         if sharded is not None:
-            self._save_tp_shards(Path(location), *sharded)
+            self._save_parts(Path(location), *sharded)
         if self.is_main_process:
             for i, obj in enumerate(registered):
                 path = Path(location) / CUSTOM_STATE.format(i)
@@ -414,13 +421,12 @@ class JsonStateAccelerator(Accelerator):
         if pickled:
             raise ValueError(f"checkpoint {folder} holds pickled state ({', '.join(pickled)}), which is never "
                              "loaded; resume from a checkpoint written by this version or start the run again")
-        tp_files = sorted(p.name for p in folder.glob(TP_LAYOUT))
-        if self.tp_mesh is None and tp_files:
-            raise ValueError(f"checkpoint {folder} was written with tensor parallelism ({TP_LAYOUT}); resume it "
-                             "with the same tp_size and number of processes")
+        if not self.sharded and (folder / PARALLEL_LAYOUT).exists():
+            raise ValueError(f"checkpoint {folder} was written with tensor or pipeline parallelism "
+                             f"({PARALLEL_LAYOUT}); resume it with the same tp_size, pp_size and number of processes")
         registered, self._custom_objects = self._custom_objects, []
-        sharded, self._models, self._optimizers = self._tp_sharded(), *(([], []) if self.tp_mesh is not None
-                                                                        else (self._models, self._optimizers))
+        sharded, self._models, self._optimizers = self._parts(), *(([], []) if self.sharded
+                                                                   else (self._models, self._optimizers))
         try:
             result = super().load_state(str(folder), **kwargs)
         finally:
@@ -428,7 +434,7 @@ class JsonStateAccelerator(Accelerator):
             if sharded is not None:
                 self._models, self._optimizers = sharded
         if sharded is not None:
-            self._load_tp_shards(folder, *sharded)
+            self._load_parts(folder, *sharded)
         for i, obj in enumerate(registered):
             path = folder / CUSTOM_STATE.format(i)
             try:
@@ -445,49 +451,58 @@ class JsonStateAccelerator(Accelerator):
                 obj.load_tensor_state_dict(load_file(str(tensors_path)))
         return result
 
-    # ------------------------------------------------------------ tensor parallel
+    # ------------------------------------------------------------ tensor / pipeline parallel
 
-    def _tp_sharded(self):
-        return (self._models, self._optimizers) if self.tp_mesh is not None else None
+    def _parts(self):
+        return (self._models, self._optimizers) if self.sharded else None
 
-    def _save_tp_shards(self, folder: Path, models, optimizers) -> None:
+    def _save_parts(self, folder: Path, models, optimizers) -> None:
         from safetensors.torch import save_file
 
         from crawl2chat.stages.training.parallel import local_state
 
         if len(models) != 1 or len(optimizers) != 1:
-            raise ValueError("tensor-parallel checkpoints hold one model and one optimizer")
+            raise ValueError("tensor- or pipeline-parallel checkpoints hold one model and one optimizer")
         tensors, meta = local_state(models[0], optimizers[0].optimizer)
         r = self.process_index
-        save_file(tensors, str(folder / TP_SHARD.format(r, "safetensors")))
-        (folder / TP_SHARD.format(r, "json")).write_text(json.dumps(meta, allow_nan=True))
+        save_file(tensors, str(folder / RANK_PART.format(r, "safetensors")))
+        (folder / RANK_PART.format(r, "json")).write_text(json.dumps(meta, allow_nan=True))
         if self.is_main_process:
-            (folder / TP_LAYOUT).write_text(json.dumps(self._tp_layout()))
+            (folder / PARALLEL_LAYOUT).write_text(json.dumps(self.layout()))
         self.wait_for_everyone()
 
-    def _tp_layout(self) -> dict[str, int]:
-        return {"tp_size": self.tp_mesh["tp"].size(), "num_processes": self.num_processes}
+    def layout(self) -> dict[str, int]:
+        """How the model is split over the processes."""
+        return {"tp_size": self.tp_mesh["tp"].size() if self.tp_mesh is not None else 1,
+                "pp_size": self.pp_mesh["pp"].size() if self.pp_mesh is not None else 1,
+                "num_processes": self.num_processes}
 
-    def _load_tp_shards(self, folder: Path, models, optimizers) -> None:
+    def _load_parts(self, folder: Path, models, optimizers) -> None:
         from safetensors.torch import load_file
 
         from crawl2chat.stages.training.parallel import load_local_state
 
         try:
-            layout = json.loads((folder / TP_LAYOUT).read_text())
+            layout = json.loads((folder / PARALLEL_LAYOUT).read_text())
         except (OSError, ValueError) as e:
-            raise ValueError(f"checkpoint {folder} has no readable {TP_LAYOUT} (written without tensor "
-                             f"parallelism?); resume it with the layout it was written with: {e}") from e
-        if layout != self._tp_layout():
-            raise ValueError(f"checkpoint {folder} was written with {layout}; this run has {self._tp_layout()}; "
-                             "resume with the same tp_size and number of processes")
+            raise ValueError(f"checkpoint {folder} has no readable {PARALLEL_LAYOUT} (written without tensor or "
+                             f"pipeline parallelism?); resume it with the layout it was written with: {e}") from e
+        if layout != self.layout():
+            raise ValueError(f"checkpoint {folder} was written with {layout}; this run has {self.layout()}; "
+                             "resume with the same tp_size, pp_size and number of processes")
         r = self.process_index
-        meta = json.loads((folder / TP_SHARD.format(r, "json")).read_text())
-        load_local_state(models[0], optimizers[0].optimizer, load_file(str(folder / TP_SHARD.format(r, "safetensors"))),
-                         meta)
+        meta = json.loads((folder / RANK_PART.format(r, "json")).read_text())
+        load_local_state(models[0], optimizers[0].optimizer,
+                         load_file(str(folder / RANK_PART.format(r, "safetensors"))), meta)
 
     def get_state_dict(self, model, unwrap: bool = True):
-        """Under tensor parallelism every tensor gathered whole (a collective: every rank calls it)."""
+        """Under tensor parallelism every tensor gathered whole, under pipeline parallelism
+        every stage's tensors on the main process, None elsewhere (a collective: every rank
+        calls it)."""
+        if self.pp_mesh is not None:
+            from crawl2chat.stages.training.pipeline import gather_state_dict
+
+            return gather_state_dict(self.unwrap_model(model) if unwrap else model, self.pp_mesh)
         if self.tp_mesh is not None:
             from crawl2chat.stages.training.parallel import full_state_dict
 
@@ -495,8 +510,8 @@ class JsonStateAccelerator(Accelerator):
         return super().get_state_dict(model, unwrap=unwrap)
 
 
-TP_LAYOUT = "tensor_parallel.json"  # in a tensor-parallel checkpoint: its tp_size and number of processes
-TP_SHARD = "tp_rank{}_state.{}"  # each rank's model and optimizer shards (safetensors) and optimizer layout (JSON)
+PARALLEL_LAYOUT = "parallel_layout.json"  # in a tensor/pipeline-parallel checkpoint: tp_size, pp_size, processes
+RANK_PART = "rank{}_state.{}"  # each rank's model and optimizer part (safetensors) and optimizer layout (JSON)
 
 
 def make_accelerator(cfg: LoopConfig):
@@ -512,16 +527,27 @@ def make_accelerator(cfg: LoopConfig):
     if acc.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
     tp_size = cfg.tp_size if isinstance(cfg, TrainConfig) else 1  # PPO refuses tp_size
-    if tp_size > 1:
+    pp_size = cfg.pp_size if hasattr(cfg, "pp_size") else 1  # pretraining's setting
+    if tp_size > 1 and pp_size > 1:
+        raise ValueError(f"tp_size={tp_size} and pp_size={pp_size} together are not supported; "
+                         "choose tensor or pipeline parallelism")
+    if tp_size > 1 or pp_size > 1:
         from accelerate.utils import DistributedType
 
+        name, size = ("tp_size", tp_size) if tp_size > 1 else ("pp_size", pp_size)
+        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise ValueError(f"{name}={size} runs over the plain or DDP accelerate configs, not "
+                             f"{acc.distributed_type.value}; drop accelerate_config or set {name}=1")
+    if tp_size > 1:
         from crawl2chat.stages.training.parallel import check_tp_size, tp_mesh
 
-        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-            raise ValueError(f"tp_size={tp_size} runs over the plain or DDP accelerate configs, not "
-                             f"{acc.distributed_type.value}; drop accelerate_config or set tp_size=1")
         check_tp_size(tp_size, acc.num_processes)
         acc.tp_mesh = tp_mesh(tp_size, acc.num_processes, acc.device.type)
+    if pp_size > 1:
+        from crawl2chat.stages.training.pipeline import check_pp_size, pp_mesh
+
+        check_pp_size(pp_size, acc.num_processes)
+        acc.pp_mesh = pp_mesh(pp_size, acc.num_processes, acc.device.type)
     set_seed(cfg.seed)
     return acc
 
@@ -559,21 +585,38 @@ class Trainer:
         self.after_step = after_step  # run after each optimizer step (e.g. a momentum encoder's update)
         self.flops_per_token = flops_per_token
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
-        mesh = getattr(accelerator, "tp_mesh", None)
-        self.tp_size = mesh["tp"].size() if mesh is not None else 1
+        tp_mesh, pp_mesh = getattr(accelerator, "tp_mesh", None), getattr(accelerator, "pp_mesh", None)
+        self.tp_size = tp_mesh["tp"].size() if tp_mesh is not None else 1
+        self.pp_size = pp_mesh["pp"].size() if pp_mesh is not None else 1
         # The data-parallel position that draws batches: every rank of a tensor-parallel
-        # group must see the same batch (with tp_size == processes, one group, one stream).
-        self.dp_world, self.dp_rank = self.world // self.tp_size, self.rank // self.tp_size
-        self.mesh = mesh
+        # group or a pipeline must see the same batch (one group: one stream).
+        group = self.tp_size * self.pp_size
+        self.dp_world, self.dp_rank = self.world // group, self.rank // group
+        self.mesh = tp_mesh if tp_mesh is not None else pp_mesh
         self.tokens_per_step = cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum * self.dp_world
 
-        if mesh is not None:
+        # Split before the optimizer sees the parameters; prepared in evaluation mode below:
+        # placement and mixed precision, no DDP wrap (the data-parallel gradient average,
+        # when there are several groups, is train_step's).
+        self.pipeline = None
+        if tp_mesh is not None:
             from crawl2chat.stages.training.parallel import parallelize_decoder
 
-            # Sharded before the optimizer sees the parameters; prepared in evaluation mode
-            # below: placement and mixed precision, no DDP wrap (the data-parallel gradient
-            # average, when there are several groups, is train_step's).
-            parallelize_decoder(model.to(accelerator.device), mesh["tp"])
+            parallelize_decoder(model.to(accelerator.device), tp_mesh["tp"])
+        if pp_mesh is not None:
+            from crawl2chat.stages.training.pipeline import Pipeline
+
+            self.pipeline = Pipeline(model, pp_mesh, accelerator.device, n_microbatches=cfg.grad_accum,
+                                     schedule=cfg.pp_schedule, autocast=accelerator.autocast)
+            from crawl2chat.stages.training.pipeline import stage_layers
+
+            n = model.config.num_hidden_layers
+            spans = " | ".join(f"{r.start}-{r.stop - 1}" for r in (stage_layers(n, self.pp_size, i)
+                                                                  for i in range(self.pp_size)))
+            accelerator.print(f"pipeline: {self.pp_size} stages (layers {spans}), {cfg.pp_schedule}, "
+                              f"{cfg.grad_accum} micro-batches a step"
+                              + (" (fewer micro-batches than stages: most stages idle; raise grad_accum)"
+                                 if cfg.grad_accum < self.pp_size else ""))
         optimizer = build_optimizer(model, cfg)
         plugin = accelerator.state.deepspeed_plugin
         self.deepspeed = plugin is not None
@@ -584,7 +627,7 @@ class Trainer:
                 train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                 train_batch_size=cfg.micro_batch_size * cfg.grad_accum * self.world, gradient_clipping=cfg.clip_norm)
             accelerator.gradient_accumulation_steps = cfg.grad_accum
-        if mesh is not None:
+        if self.mesh is not None:
             self.model = accelerator.prepare_model(model, evaluation_mode=True)
             self.optimizer = accelerator.prepare_optimizer(optimizer)
         else:
@@ -604,6 +647,11 @@ class Trainer:
 
     def forward_backward_step(self, batch_index: int) -> torch.Tensor:
         """All micro-batches of one global batch on this rank; returns the local mean loss."""
+        if self.pipeline is not None:
+            # The accumulated batch is the pipeline's: its micro-batches run through the stages.
+            rows = torch.cat([self.batch_fn(batch_index, micro, self.dp_rank, self.dp_world)["tokens"]
+                              for micro in range(self.cfg.grad_accum)])
+            return self.pipeline.train_batch(rows, poison=batch_index in self.cfg.inject_nan_at_batches)
         total = torch.zeros((), device=self.acc.device)
         for micro in range(self.cfg.grad_accum):
             batch = {k: v.to(self.acc.device)
@@ -628,6 +676,8 @@ class Trainer:
         batch_index = self.state.batch_index
         self.model.train()
         local_loss = self.forward_backward_step(batch_index)
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_gradients()
         if self.mesh is not None:
             from crawl2chat.stages.training.parallel import all_reduce_data_parallel
 
@@ -665,6 +715,8 @@ class Trainer:
     def clip_grad_norm(self) -> float:
         """Clip to ``clip_norm`` and return the global norm before clipping."""
         max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm(self.model.parameters(), max_norm)
         norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
         if norm is None and self.deepspeed:
             # Older accelerate returns nothing under DeepSpeed; the engine clipped
@@ -811,7 +863,10 @@ class Trainer:
         count = torch.zeros((), device=self.acc.device, dtype=torch.float64)
         for batch in self.eval_batches_fn(self.dp_rank, self.dp_world):
             batch = {k: v.to(self.acc.device) for k, v in batch.items()}
-            loss, n = self.loss_fn(self.model, batch)
+            if self.pipeline is not None:
+                loss, n = self.pipeline.eval_batch(batch["tokens"])
+            else:
+                loss, n = self.loss_fn(self.model, batch)
             loss_sum += loss.double() * n
             count += n
         loss_sum, count = self.acc.reduce(loss_sum, "sum"), self.acc.reduce(count, "sum")
@@ -836,7 +891,7 @@ class Trainer:
             # Step 0 checkpoint: the first rollback needs something to return to.
             self.save_checkpoint()
             self.metrics.write({"type": "event", "event": "start", "step": 0, "world_size": self.world,
-                                "tp_size": self.tp_size,
+                                "tp_size": self.tp_size, "pp_size": self.pp_size,
                                 "tokens_per_step": self.tokens_per_step, "peak_flops": self.peak_flops,
                                 "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model))})
         t_start, tokens_start, step_times = time.perf_counter(), self.state.tokens_seen, []
@@ -861,6 +916,7 @@ class Trainer:
         summary = {"steps": self.state.step, "tokens": self.state.tokens_seen, "tokens_per_second": tps,
                    "wall_seconds": wall, "tokens_this_run": self.state.tokens_seen - tokens_start,
                    "rollbacks": self.state.rollbacks, "world_size": self.world, "tp_size": self.tp_size,
+                   "pp_size": self.pp_size,
                    "threads_per_process": torch.get_num_threads(), "device": str(self.acc.device),
                    "final_train_loss": self.state.recent_losses[-1] if self.state.recent_losses else None,
                    **final_eval}
