@@ -97,7 +97,7 @@ def test_pipeline_resume_matches_uninterrupted(shared, runs):
     # Stopped after step 12 (checkpoint at 10), then the same command to 20: resumes from step 10.
     out = train(shared, "pp_resumed", *PP, num_processes=2, max_steps=12)
     ckpt = out / "checkpoints" / "step_00000010"
-    assert json.loads((ckpt / "parallel_layout.json").read_text()) == {"tp_size": 1, "pp_size": 2, "num_processes": 2}
+    assert json.loads((ckpt / "parallel_layout.json").read_text()) == {"tp_size": 1, "pp_size": 2, "dp_shard": False, "num_processes": 2}
     assert not (ckpt / "model.safetensors").exists()
     # Each rank wrote its own stage: the first the embedding and layer 0, the last layer 1,
     # the final norm and the output head (the tied embedding's copy), with their optimizer state.

@@ -43,7 +43,8 @@ LOOP = {
     "checkpoint_every": "trainer", "keep_checkpoints": "trainer", "log_every": "trainer", "seed": "trainer",
 }
 TRAINER = {**LOOP, "eval_every": "trainer", "eval_batches": "sampling", "peak_flops": "trainer",
-           "rollback": "trainer", "inject_nan_at_batches": "trainer", "tp_size": "trainer"}
+           "rollback": "trainer", "inject_nan_at_batches": "trainer", "tp_size": "trainer",
+           "dp_shard": "trainer"}
 
 EVIDENCE: dict[type, dict[str, str]] = {
     S.PretrainConfig: {**TRAINER, "seq_len": "pretrain", "eval_batches": "pretrain", "grad_checkpointing": "pretrain",

@@ -96,7 +96,7 @@ def test_tp_resume_matches_uninterrupted(shared, runs):
     ckpt = out / "checkpoints" / "step_00000010"
     assert sorted(p.name for p in ckpt.glob("rank*_state.*")) == [
         "rank0_state.json", "rank0_state.safetensors", "rank1_state.json", "rank1_state.safetensors"]
-    assert json.loads((ckpt / "parallel_layout.json").read_text()) == {"tp_size": 2, "pp_size": 1, "num_processes": 2}
+    assert json.loads((ckpt / "parallel_layout.json").read_text()) == {"tp_size": 2, "pp_size": 1, "dp_shard": False, "num_processes": 2}
     assert not (ckpt / "model.safetensors").exists()
     # Replicated parameters (embeddings, norms) got the same gradients on both ranks: equal
     # bitwise after 10 steps; sharded ones hold different halves of the same shape.
@@ -152,3 +152,40 @@ def test_tp_groups_with_data_parallel_between_them_match_one_process(shared, run
     want, have = load_file(runs["single"] / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     for k in want:
         torch.testing.assert_close(have[k], want[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+
+
+@pytest.mark.slow
+def test_fsdp_by_tp_matches_one_process_and_resumes(shared, runs):
+    """4 processes, tp_size=2 with dp_shard: tensor parallelism within each pair, FSDP
+    (fully_shard) across the pairs on the 2-D mesh. Stopped at step 12 and resumed from
+    its step-10 checkpoint, the 20 steps match the 1-process run; each rank's checkpoint
+    part holds a quarter of a tensor-parallel weight and half of a replicated one."""
+    out = train(shared, "fsdp_tp", "tp_size=2", "dp_shard=true", "micro_batch_size=2", "eval_batches=8",
+                num_processes=4, max_steps=12)
+    ckpt = out / "checkpoints" / "step_00000010"
+    assert json.loads((ckpt / "parallel_layout.json").read_text()) == {
+        "tp_size": 2, "pp_size": 1, "dp_shard": True, "num_processes": 4}
+    part = load_file(ckpt / "rank0_state.safetensors")
+    whole = load_file(runs["single"] / "model" / "model.safetensors")
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert part[f"model.{up}"].numel() * 4 == whole[up].numel()
+    assert part["model.model.embed_tokens.weight"].numel() * 2 == whole["model.embed_tokens.weight"].numel()
+    train(shared, "fsdp_tp", "tp_size=2", "dp_shard=true", "micro_batch_size=2", "eval_batches=8", num_processes=4)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"] == [10]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 4 and metrics["tp_size"] == 2 and metrics["steps"] == STEPS
+    ref = np.array([steps(runs["single"])[s]["loss"] for s in range(1, STEPS + 1)])
+    got = np.array([steps(out)[s]["loss"] for s in range(1, STEPS + 1)])
+    print(f"FSDP x TP vs 1 process over {STEPS} steps (resumed at 10): max abs diff {np.abs(got - ref).max():.3g}, "
+          f"max rel diff {(np.abs(got - ref) / np.abs(ref)).max():.3g}")
+    np.testing.assert_allclose(got, ref, rtol=RTOL)
+    gn_ref = np.array([steps(runs["single"])[s]["grad_norm"] for s in range(1, STEPS + 1)])
+    np.testing.assert_allclose([steps(out)[s]["grad_norm"] for s in range(1, STEPS + 1)], gn_ref, rtol=1e-3)
+    have = load_file(out / "model" / "model.safetensors")
+    for k in whole:
+        torch.testing.assert_close(have[k], whole[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+
+
+def test_dp_shard_needs_tensor_parallelism():
+    with pytest.raises(ValueError, match="dp_shard .* needs tp_size > 1"):
+        PretrainConfig(dp_shard=True)

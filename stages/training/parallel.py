@@ -78,6 +78,46 @@ def all_reduce_data_parallel(model: torch.nn.Module, mesh) -> None:
         g.copy_(reduced)
 
 
+def shard_data_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP (PyTorch's ``fully_shard``) over the data-parallel dimension of the ``(dp, tp)``
+    ``mesh``, on a model already split by :func:`parallelize_decoder`: each decoder layer
+    and then the rest are sharded across the ``dp`` groups, so parameters, gradients and
+    optimizer state are held once per data-parallel group, gathered layer by layer for
+    the forward and backward passes, and gradients reduce-scattered (the 2-D layout of
+    torchtitan). Returns the model, changed in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Clip by the global gradient norm when parameters live on different meshes (the
+    tensor-parallel layers on ``(dp, tp)``, the rest on ``dp`` under FSDP x TP), which
+    ``torch.nn.utils.clip_grad_norm_`` cannot combine: one norm per mesh, each made
+    whole over its mesh, then added in squares. Returns the norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if not groups:
+        return 0.0
+    parts = []
+    for mesh, grads in groups.items():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        parts.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).double().cpu())
+    total = float(torch.stack(parts).pow(2).sum().sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
 def decoder_layers(model: torch.nn.Module):
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)

@@ -130,6 +130,11 @@ class TrainConfig(LoopConfig):
                     "processes, DTensor); must divide the number of processes (groups of tp_size consecutive ranks, "
                     "data-parallel between groups) and the model's heads, key/value heads and intermediate size. "
                     "1: off (data parallelism only).")
+    dp_shard: bool = Field(
+        False,
+        description="With tp_size > 1: shard parameters, gradients and optimizer state over the data-parallel "
+                    "dimension (FSDP's fully_shard on the (dp, tp) mesh, FSDP x TP) instead of replicating them. "
+                    "Without tensor parallelism, sharding is the fsdp or deepspeed accelerate_config's.")
     # Fault injection for exercising the rollback path: the loss of these
     # global batch indices is made NaN.
     inject_nan_at_batches: list[int] = Field(default_factory=list)
@@ -139,6 +144,9 @@ class TrainConfig(LoopConfig):
 
     @model_validator(mode="after")
     def _check_window(self):
+        if self.dp_shard and self.tp_size == 1:
+            raise ValueError("dp_shard shards the data-parallel dimension of a tensor-parallel layout and needs "
+                             "tp_size > 1; for sharding alone choose accelerate_config: fsdp (or deepspeed_zero3)")
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be at least 2 (got {self.seq_len})")
         if self.peak_flops is not None and self.peak_flops <= 0:
@@ -242,6 +250,7 @@ NOT_FOR_PPO = {
     "eval_batches": "PPO has no held-out set; the end-of-stage evaluation judges the policy",
     "peak_flops": "PPO reports no MFU",
     "tp_size": "PPO's actor and critic are data-parallel only",
+    "dp_shard": "PPO's actor and critic are data-parallel only",
 }
 # PPO's rollback fires on non-finite numbers (sampling, scores, weights), not on loss spikes.
 NOT_FOR_PPO_ROLLBACK = {

@@ -380,6 +380,7 @@ class JsonStateAccelerator(Accelerator):
     # ``(dp, pp)`` when ``pp_size`` > 1 (:func:`make_accelerator`), else None.
     tp_mesh = None
     pp_mesh = None
+    dp_shard = False  # FSDP over the data-parallel dimension of the tensor-parallel mesh
 
     @property
     def sharded(self) -> bool:
@@ -475,7 +476,7 @@ class JsonStateAccelerator(Accelerator):
         """How the model is split over the processes."""
         return {"tp_size": self.tp_mesh["tp"].size() if self.tp_mesh is not None else 1,
                 "pp_size": self.pp_mesh["pp"].size() if self.pp_mesh is not None else 1,
-                "num_processes": self.num_processes}
+                "dp_shard": self.dp_shard, "num_processes": self.num_processes}
 
     def _load_parts(self, folder: Path, models, optimizers) -> None:
         from safetensors.torch import load_file
@@ -543,6 +544,7 @@ def make_accelerator(cfg: LoopConfig):
 
         check_tp_size(tp_size, acc.num_processes)
         acc.tp_mesh = tp_mesh(tp_size, acc.num_processes, acc.device.type)
+        acc.dp_shard = cfg.dp_shard
     if pp_size > 1:
         from crawl2chat.stages.training.pipeline import check_pp_size, pp_mesh
 
@@ -603,6 +605,10 @@ class Trainer:
             from crawl2chat.stages.training.parallel import parallelize_decoder
 
             parallelize_decoder(model.to(accelerator.device), tp_mesh["tp"])
+            if cfg.dp_shard:
+                from crawl2chat.stages.training.parallel import shard_data_parallel
+
+                shard_data_parallel(model, tp_mesh)
         if pp_mesh is not None:
             from crawl2chat.stages.training.pipeline import Pipeline
 
@@ -678,7 +684,8 @@ class Trainer:
         local_loss = self.forward_backward_step(batch_index)
         if self.pipeline is not None:
             self.pipeline.sum_tied_gradients()
-        if self.mesh is not None:
+        # Under dp_shard, FSDP has reduce-scattered the gradients over dp already.
+        if self.mesh is not None and not self.cfg.dp_shard:
             from crawl2chat.stages.training.parallel import all_reduce_data_parallel
 
             all_reduce_data_parallel(self.acc.unwrap_model(self.model), self.mesh)
@@ -717,6 +724,10 @@ class Trainer:
         max_norm = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm(self.model.parameters(), max_norm)
+        if self.cfg.dp_shard:
+            from crawl2chat.stages.training.parallel import clip_grad_norm
+
+            return clip_grad_norm(self.model.parameters(), max_norm)
         norm = self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
         if norm is None and self.deepspeed:
             # Older accelerate returns nothing under DeepSpeed; the engine clipped
