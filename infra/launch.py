@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from crawl2chat.stages.lifetime import (HAVE_PDEATHSIG, OWNER_ENV, descendants, die_with_parent_preexec,
@@ -44,13 +45,33 @@ def accelerate_config_path(name: str) -> Path:
     return p
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """One machine's place in a job over several: ``nodes`` machines, this one ``rank``
+    (0 hosts the rendezvous at ``main_ip``:``main_port``). ``num_processes`` stays the
+    job's total, split evenly over the machines."""
+
+    nodes: int
+    rank: int
+    main_ip: str
+    main_port: int
+
+    def args(self) -> list[str]:
+        return ["--num_machines", str(self.nodes), "--machine_rank", str(self.rank),
+                "--main_process_ip", self.main_ip, "--main_process_port", str(self.main_port)]
+
+
 def accelerate_command(module: str, args: list[str], num_processes: int = 1,
-                       accelerate_config: str | None = None, cpu: bool = True) -> list[str]:
+                       accelerate_config: str | None = None, cpu: bool = True,
+                       node: NodeLayout | None = None) -> list[str]:
     """``python -m accelerate.commands.launch ... -m MODULE ARGS`` for this interpreter.
 
     Without an explicit ``accelerate_config`` the packaged one is chosen:
     ``cpu``/``cpu_ddp`` on CPU, ``gpu_ddp`` on GPUs (``fsdp`` and ``deepspeed`` must be asked for).
-    ``accelerate_config`` may be a packaged name (``"fsdp"``) or a path."""
+    ``accelerate_config`` may be a packaged name (``"fsdp"``) or a path. ``node``: this
+    machine's part of a job over several (``num_processes`` is the total)."""
+    if node is not None and num_processes % node.nodes:
+        raise ValueError(f"num_processes={num_processes} must split evenly over {node.nodes} nodes")
     if accelerate_config is None:
         name = ("cpu" if num_processes == 1 else "cpu_ddp") if cpu else "gpu_ddp"
         config = accelerate_config_path(name)
@@ -62,14 +83,18 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
            "--num_processes", str(num_processes)]
     distributed = distributed_type(config)
     deepspeed = distributed == "DEEPSPEED"
+    # One machine: a free local port for the rendezvous; several: the main machine's address.
+    rendezvous = node.args() if node is not None else ["--main_process_port", str(_free_port())]
     if deepspeed:
         # DeepSpeed's launcher starts every rank itself (one included) and takes
         # neither --multi_gpu nor --cpu; without GPUs DeepSpeed picks its CPU
         # accelerator (gloo) on its own.
-        cmd += ["--main_process_port", str(_free_port())]
+        cmd += rendezvous
     elif num_processes > 1 and distributed != "FSDP":
         cmd.append("--multi_gpu")  # CPU too: torch.distributed with gloo, ACCELERATE_USE_CPU from the config
-        cmd += ["--main_process_port", str(_free_port())]
+        cmd += rendezvous
+    elif node is not None:
+        cmd += rendezvous
     elif num_processes == 1 and cpu:
         cmd.append("--cpu")
     if cpu:
@@ -77,7 +102,7 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
         # multi-process launcher does not export this from the config); not
         # under DeepSpeed, which accelerate switches off when it is set.
         # fp32: CPUs without bf16 units run bf16 autocast far slower than fp32.
-        threads = max(1, (os.cpu_count() or 1) // num_processes)
+        threads = max(1, (os.cpu_count() or 1) // (num_processes // (node.nodes if node else 1)))
         env = [] if deepspeed else ["env", "ACCELERATE_USE_CPU=true"]
         cmd = [*env, *cmd, "--mixed_precision", "no", "--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]

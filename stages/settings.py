@@ -200,6 +200,10 @@ class TrainStage(BaseModel):
 
     out: str = Field("runs/stage", description="Run folder: checkpoints, model/, metrics.json.")
     num_processes: int = Field(1, ge=1, description="Processes for `accelerate launch` (DDP when > 1).")
+    nodes: int = Field(
+        1, ge=1,
+        description="Machines: > 1 runs one `accelerate launch` on each of that many machines of the Ray cluster "
+                    "(RAY_ADDRESS), num_processes in total split evenly; out must be on storage every machine sees.")
     accelerate_config: str | None = Field(
         None,
         description="Accelerate config: a name under infra/accelerate (cpu, cpu_ddp, gpu_ddp, fsdp, deepspeed) or a path.",

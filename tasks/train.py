@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from crawl2chat.infra.mlflow_datasets import dataset_entity, file_dataset
-from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
+from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming
 from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.run_folders import DONE_FILE, input_identity, link_latest, recorded_run, run_folder
 from crawl2chat.infra.tracking import stage_run
@@ -35,16 +35,18 @@ from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, model_dama
 
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
                  accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
-                 env: dict[str, str] | None = None) -> int:
-    """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``."""
+                 env: dict[str, str] | None = None, node: NodeLayout | None = None) -> int:
+    """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``
+    (``OUT/train-node<r>.log`` for machine r > 0 of a job over several)."""
     import torch
 
     Path(out).mkdir(parents=True, exist_ok=True)
     cmd = accelerate_command(module, argv, num_processes=num_processes, accelerate_config=accelerate_config,
-                             cpu=not torch.cuda.is_available())
+                             cpu=not torch.cuda.is_available(), node=node)
     # The stage prints its own progress; library progress bars and load reports go unseen.
     quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
-    return run_streaming(cmd, env={**quiet, **(env or {})}, log_path=Path(out) / "train.log", on_line=on_line)
+    log = "train.log" if node is None or node.rank == 0 else f"train-node{node.rank}.log"
+    return run_streaming(cmd, env={**quiet, **(env or {})}, log_path=Path(out) / log, on_line=on_line)
 
 
 class StageFailed(RuntimeError):
@@ -63,37 +65,118 @@ class StageFailed(RuntimeError):
 def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_steps: int | None = None,
                     config: str | None = None, overrides: list[str] | None = None, num_processes: int = 1,
                     accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
-                    env: dict[str, str] | None = None) -> int:
+                    env: dict[str, str] | None = None, nodes: int = 1) -> int:
     """Run the training stage ``stage`` (see the registry) under ``accelerate launch``;
     a stage that prepares on the host (pretraining's tokenizer and packing, on Ray)
-    does that first. Raises :class:`StageFailed` with the kind the script reported,
-    and :class:`~crawl2chat.stages.locks.FolderBusy` naming the holder's pid when
-    another process is writing ``out``."""
+    does that first. ``nodes`` > 1: over that many machines of the Ray cluster
+    (:func:`launch_across_nodes`). Raises :class:`StageFailed` with the kind the script
+    reported, and :class:`~crawl2chat.stages.locks.FolderBusy` naming the holder's pid
+    when another process is writing ``out``."""
     with hold_folder(out):  # one writer per run folder (re-entrant: record_training holds it already)
+        if nodes > 1:
+            return launch_across_nodes(stage, inputs, out, nodes, max_steps, config, overrides, num_processes,
+                                       accelerate_config, env)
         return _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
                                 on_line, env)
 
 
 def _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
-                     on_line, env) -> int:
+                     on_line, env, node: NodeLayout | None = None, prepare: bool = True) -> int:
     import importlib
 
     spec = STAGES[stage]
     argv = script_argv(inputs, out, config, max_steps, overrides)
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
-    if spec.prepare_on_host:
+    if prepare:
+        (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
+    if prepare and spec.prepare_on_host:
         if any(Path(v).is_dir() for v in inputs.values()):
             from crawl2chat.infra.ray_runtime import ensure_ray
 
             ensure_ray()
         importlib.import_module(spec.module).prepare_on_host(argv)
     try:
-        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env)
+        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node)
     except LaunchError as e:
         failure = read_failure(out) or {"kind": TRANSIENT, "message": f"the training process exited with status "
                                                                       f"{e.returncode} without reporting why"}
         raise StageFailed(stage, failure["kind"], failure["message"], e.log_path) from e
+
+
+def launch_across_nodes(stage: str, inputs: dict[str, str], out: str | Path, nodes: int,
+                        max_steps: int | None = None, config: str | None = None, overrides: list[str] | None = None,
+                        num_processes: int = 1, accelerate_config: str | None = None,
+                        env: dict[str, str] | None = None, placement: str = "STRICT_SPREAD") -> int:
+    """The training stage over ``nodes`` machines of the Ray cluster this process is
+    connected to (``RAY_ADDRESS``): a placement group reserves one slot on each of
+    ``nodes`` different machines (``STRICT_SPREAD``), the first machine's address and a
+    free port there become the rendezvous, and a Ray task on each machine runs
+    ``accelerate launch`` with its machine rank (``num_processes`` in total, split
+    evenly). Preparation (tokenizer, packing) runs here first, once. ``out`` must be a
+    folder every machine sees (a shared filesystem): the ranks read the prepared data
+    and write checkpoints there; machine r > 0 logs to ``OUT/train-node<r>.log``.
+    A failed launcher cancels the others; the error is the first one raised."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from crawl2chat.infra.ray_runtime import ensure_ray
+
+    if num_processes % nodes:
+        raise ValueError(f"num_processes={num_processes} must split evenly over nodes={nodes}")
+    spec = STAGES[stage]
+    argv = script_argv(inputs, out, config, max_steps, overrides)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
+    ensure_ray()
+    if spec.prepare_on_host:
+        import importlib
+
+        importlib.import_module(spec.module).prepare_on_host(argv)
+    machines = len({n["NodeID"] for n in ray.nodes() if n.get("Alive")})
+    if placement == "STRICT_SPREAD" and machines < nodes:
+        raise ValueError(f"nodes={nodes} needs {nodes} machines in the Ray cluster; it has {machines} "
+                         f"(start Ray on more machines, or lower nodes)")
+    group = placement_group([{"CPU": 1}] * nodes, strategy=placement)
+    try:
+        ray.get(group.ready(), timeout=120)
+        on = [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(nodes)]
+        remote = ray.remote(num_cpus=1, max_retries=0)
+        main_ip, main_port = ray.get(remote(_rendezvous_address).options(scheduling_strategy=on[0]).remote())
+        launchers = [remote(_launch_node).options(scheduling_strategy=on[i]).remote(
+            stage, inputs, str(out), max_steps, config, overrides, num_processes, accelerate_config, env,
+            NodeLayout(nodes, i, main_ip, main_port)) for i in range(nodes)]
+        try:
+            pending = list(launchers)
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done[0])  # the first failure raises here
+        except BaseException:
+            for ref in launchers:
+                ray.cancel(ref, force=True)
+            raise
+    finally:
+        remove_placement_group(group)
+    return 0
+
+
+def _rendezvous_address() -> tuple[str, int]:
+    """This machine's address in the Ray cluster and a port free on it."""
+    import socket
+
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((ip, 0))
+        return ip, sock.getsockname()[1]
+
+
+def _launch_node(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config, env,
+                      node: NodeLayout) -> int:
+    return _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
+                            None, env, node=node, prepare=False)
+
 
 
 def _progress_printer(stage: str) -> Callable[[str], None]:
@@ -276,13 +359,17 @@ def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_
 
 def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str, Any], num_processes: int = 1,
                 accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-                registered_name: str | None = None, eval_data: str | None = None) -> dict:
-    """One training stage of the registry, recorded: launch, metrics, model, registration, evaluation."""
+                registered_name: str | None = None, eval_data: str | None = None, nodes: int = 1) -> dict:
+    """One training stage of the registry, recorded: launch, metrics, model, registration,
+    evaluation. ``nodes`` > 1: launched over that many machines of the Ray cluster."""
     spec = STAGES[stage]
 
     def launch(config_file: str, on_line: Callable, run_dir: str) -> None:
+        if nodes > 1:
+            print(f"[{stage}] launching {num_processes} processes over {nodes} machines of the Ray cluster; "
+                  f"their output is in {run_dir}/train*.log", flush=True)
         launch_training(stage, inputs, run_dir, config=config_file, on_line=on_line, num_processes=num_processes,
-                        accelerate_config=accelerate_config)
+                        accelerate_config=accelerate_config, nodes=nodes)
 
     def artifact_dirs(summary: dict) -> None:
         for key in spec.artifact_dirs:
@@ -291,7 +378,7 @@ def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str
 
     summary = record_training(stage, out, settings, launch, inputs, lineage, registered_name, artifact_dirs,
                               evaluate=_evaluation(stage, inputs, settings, eval_data),
-                              params={"num_processes": num_processes})
+                              params={"num_processes": num_processes, "nodes": nodes})
     print(f"[{stage}] {spec.report(summary)} -> {summary['model_dir']}", flush=True)
     return summary
 
