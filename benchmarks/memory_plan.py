@@ -3,8 +3,11 @@
 Prints the README's memory plan. Per parameter, mixed-precision Adam holds 16 bytes
 (bf16 weights 2 + bf16 gradients 2 + fp32 master weights 4 + Adam moments 8; Rajbhandari
 et al., ZeRO, 2020): DDP keeps all of it on every GPU, ZeRO-2 / FSDP SHARD_GRAD_OP
-shard gradients and optimizer state, ZeRO-3 / FSDP FULL_SHARD shard everything, and
-tensor parallelism divides the layers' weights (and their activations) by its degree.
+shard gradients and optimizer state, ZeRO-3 / FSDP FULL_SHARD shard everything,
+tensor parallelism divides the layers' weights (and their activations) by its degree,
+and pipeline parallelism gives each stage 1/pp of the layers (under 1F1B the first stage
+holds the activations of up to pp micro-batches of its layers: about one whole
+micro-batch's worth).
 Activations per transformer layer and token follow Korthikanti et al. (2022):
 ``h * (34 + 5 * heads * seq / h)`` bytes in bf16 without recomputation, ``2 * h`` with
 full activation checkpointing (only each layer's input is kept).
@@ -47,20 +50,30 @@ SHAPES = (
     Shape("7b", 32, 4096, 32, 11008, 32000, 4096),
 )
 
-# (GPUs, layout, data-parallel degree, tensor-parallel degree, state sharding, recompute)
+# (GPUs, layout, the settings that select it, data-parallel degree, tensor-parallel degree,
+#  pipeline stages, state sharding, recompute). Every layout here runs with these settings
+# (nodes=8: over 8 machines of a Ray cluster).
+CKPT = "grad_checkpointing=true"
 LAYOUTS = {
-    "124m": [(1, "single GPU", 1, 1, "none", False), (8, "DDP x8", 8, 1, "none", False),
-             (64, "DDP x64 (8 nodes)", 64, 1, "none", False)],
-    "1b": [(1, "single GPU, checkpointing", 1, 1, "none", True), (8, "FSDP FULL_SHARD x8", 8, 1, "full", False),
-           (64, "FSDP x8 per node x 8 nodes (HSDP)", 8, 1, "full", False)],
-    "7b": [(1, "ZeRO-3 + CPU offload, checkpointing", 1, 1, "offload", True),
-           (8, "FSDP FULL_SHARD x8, checkpointing", 8, 1, "full", True),
-           (64, "TP 8 inside a node x FSDP 8 across nodes", 8, 8, "full", True)],
+    "124m": [(1, "single GPU", "(defaults)", 1, 1, 1, "none", False),
+             (8, "DDP x8", "--num-processes 8", 8, 1, 1, "none", False),
+             (64, "DDP x64 (8 nodes)", "num_processes=64, nodes=8", 64, 1, 1, "none", False)],
+    "1b": [(1, "single GPU, checkpointing", CKPT, 1, 1, 1, "none", True),
+           (8, "FSDP FULL_SHARD x8", "accelerate_config=fsdp", 8, 1, 1, "full", False),
+           (8, "pipeline 2 x DDP 4 (1F1B)", "pp_size=2, grad_accum>=4", 4, 1, 2, "none", False),
+           (64, "FSDP x64 (8 nodes)", "accelerate_config=fsdp, nodes=8", 64, 1, 1, "full", False)],
+    "7b": [(1, "ZeRO-3 + CPU offload, checkpointing", f"accelerate_config=deepspeed_zero3_offload, {CKPT}",
+            1, 1, 1, "offload", True),
+           (8, "FSDP FULL_SHARD x8, checkpointing", f"accelerate_config=fsdp, {CKPT}", 8, 1, 1, "full", True),
+           (8, "pipeline 8 (1F1B), checkpointing", f"pp_size=8, grad_accum>=16, {CKPT}", 1, 1, 8, "none", True),
+           (64, "TP 8 inside a node x FSDP 8 across nodes", f"tp_size=8, dp_shard=true, nodes=8, {CKPT}",
+            8, 8, 1, "full", True)],
 }
 
 
-def per_gpu(shape: Shape, dp: int, tp: int, sharding: str, recompute: bool, micro_batch: int = 1) -> dict:
-    p = shape.params / tp
+def per_gpu(shape: Shape, dp: int, tp: int, sharding: str, recompute: bool, micro_batch: int = 1,
+            pp: int = 1) -> dict:
+    p = shape.params / tp / pp
     weights, grads, optim = 2 * p, 2 * p, 12 * p
     if sharding == "full":
         weights, grads, optim = weights / dp, grads / dp, optim / dp
@@ -72,16 +85,21 @@ def per_gpu(shape: Shape, dp: int, tp: int, sharding: str, recompute: bool, micr
 
 
 def table() -> str:
-    rows = ["| model | params | GPUs | layout | weights | grads | optimizer | activations (1 x seq) | total per GPU |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | params | GPUs | layout | settings | weights | grads | optimizer | activations (1 x seq) "
+            "| total per GPU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape in SHAPES:
-        for gpus, layout, dp, tp, sharding, recompute in LAYOUTS[shape.name]:
-            m = per_gpu(shape, dp, tp, sharding, recompute)
+        for gpus, layout, settings, dp, tp, pp, sharding, recompute in LAYOUTS[shape.name]:
+            m = per_gpu(shape, dp, tp, sharding, recompute, pp=pp)
             rows.append(f"| {shape.name} (seq {shape.seq}) | {shape.params / 1e9:.2f}B | {gpus} | {layout} | "
+                        f"`{settings}` | "
                         + " | ".join(f"{m[k] / GiB:.1f} GiB" for k in ("weights", "grads", "optim", "act", "total"))
                         + " |")
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main() -> None:
     print(table())
+
+
+if __name__ == "__main__":
+    main()
