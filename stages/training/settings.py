@@ -183,6 +183,13 @@ class PretrainConfig(TrainConfig):
         "1f1b", description="The pipeline schedule when pp_size > 1: GPipe (all forwards, then all backwards) or "
                             "1F1B (one forward then one backward per micro-batch once the pipeline is full).")
 
+    @model_validator(mode="after")
+    def _one_model_split(self):
+        if self.tp_size > 1 and self.pp_size > 1:
+            raise ValueError(f"tp_size={self.tp_size} and pp_size={self.pp_size} together are not supported; "
+                             "choose tensor or pipeline parallelism")
+        return self
+
 
 # ---------------------------------------------------------------- sft
 

@@ -529,9 +529,6 @@ def make_accelerator(cfg: LoopConfig):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
     tp_size = cfg.tp_size if isinstance(cfg, TrainConfig) else 1  # PPO refuses tp_size
     pp_size = cfg.pp_size if hasattr(cfg, "pp_size") else 1  # pretraining's setting
-    if tp_size > 1 and pp_size > 1:
-        raise ValueError(f"tp_size={tp_size} and pp_size={pp_size} together are not supported; "
-                         "choose tensor or pipeline parallelism")
     if tp_size > 1 or pp_size > 1:
         from accelerate.utils import DistributedType
 
