@@ -121,9 +121,12 @@ def test_pipeline_resume_matches_uninterrupted(shared, runs):
 
 
 def test_gpipe_schedule_matches_one_process(shared, runs):
-    """GPipe over four one-row micro-batches: the same 4 rows, the same losses."""
+    """GPipe over four one-row micro-batches, each stage recomputing its layers'
+    activations in the backward pass: the same 4 rows, the same losses."""
     out = train(shared, "pp_gpipe", "pp_size=2", "pp_schedule=gpipe", "micro_batch_size=1", "grad_accum=4",
-                "eval_batches=16", num_processes=2)
+                "eval_batches=16", "grad_checkpointing=true", num_processes=2)
+    start = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "start")
+    assert start["grad_checkpointing"] is True and start["pp_size"] == 2
     assert_matches_single(out, runs["single"])
 
 

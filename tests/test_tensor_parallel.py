@@ -137,8 +137,12 @@ def test_tp_size_is_refused_where_it_cannot_split():
 @pytest.mark.slow
 def test_tp_groups_with_data_parallel_between_them_match_one_process(shared, runs):
     """4 processes, tp_size=2: two tensor-parallel groups, each drawing its half of the
-    global batch (2 + 2 rows = the 1-process run's 4), gradients averaged between them."""
-    out = train(shared, "tp_dp", "tp_size=2", "micro_batch_size=2", "eval_batches=8", num_processes=4)
+    global batch (2 + 2 rows = the 1-process run's 4), gradients averaged between them;
+    the sharded layers recompute their activations in the backward pass."""
+    out = train(shared, "tp_dp", "tp_size=2", "micro_batch_size=2", "eval_batches=8", "grad_checkpointing=true",
+                num_processes=4)
+    start = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "start")
+    assert start["grad_checkpointing"] is True
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["world_size"] == 4 and metrics["tp_size"] == 2
     assert metrics["tokens"] == json.loads((runs["single"] / "metrics.json").read_text())["tokens"]
