@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crawl2chat.infra.launch import LaunchError, accelerate_command, run_streaming
+from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming
 from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.settings import load_settings, parse_overrides
@@ -283,6 +283,15 @@ def test_accelerate_command_and_streaming_failure(tmp_path):
     assert "--multi_gpu" in ddp and ddp[ddp.index("--config_file") + 1].endswith("cpu_ddp.yaml")
     fsdp = accelerate_command("m", [], num_processes=8, accelerate_config="fsdp", cpu=False)
     assert "--multi_gpu" not in fsdp and fsdp[fsdp.index("--config_file") + 1].endswith("fsdp.yaml")
+    # One machine of several: its rank and the main machine's rendezvous, the total process count.
+    for config in (None, "fsdp"):
+        multi = accelerate_command("m", [], num_processes=16, accelerate_config=config, cpu=False,
+                                   node=NodeLayout(nodes=2, rank=1, main_ip="127.0.0.1", main_port=29555))
+        flags = {multi[i]: multi[i + 1] for i in range(len(multi) - 1) if multi[i].startswith("--")}
+        assert (flags["--num_machines"], flags["--machine_rank"], flags["--main_process_ip"],
+                flags["--main_process_port"], flags["--num_processes"]) == ("2", "1", "127.0.0.1", "29555", "16")
+    with pytest.raises(ValueError, match="num_processes=3 must split evenly over 2 nodes"):
+        accelerate_command("m", [], num_processes=3, node=NodeLayout(2, 0, "127.0.0.1", 29555))
 
     lines = []
     script = "import sys\nfor i in range(100): print('line', i)\nsys.exit('boom')"
