@@ -45,6 +45,15 @@ def shared_data() -> Path:
 
 
 @pytest.fixture(scope="session")
+def parallel_reference(tmp_path_factory) -> dict:
+    """Corpus, tokenizer and the 1-process pretraining run that the tensor-, pipeline- and
+    multi-machine tests compare with (``tests/parallel_reference.py``)."""
+    from parallel_reference import build
+
+    return build(tmp_path_factory.mktemp("parallel"))
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A real local Ray, started once for the whole test session."""
     import ray

@@ -11,27 +11,27 @@ import json
 import numpy as np
 import pytest
 
-from crawl2chat.stages.training.pretrain import prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.tasks.train import launch_training
-from test_pretrain import BASE, corpus_text, steps
+from parallel_reference import COMMON
+from test_pretrain import steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 12
-COMMON = [*BASE, "schedule=constant", "checkpoint_every=0", "eval_every=0"]
+STEPS = 12  # the reference's first 12 steps (constant learning rate after warmup)
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes on the loopback address, this process connected as the driver."""
+    """Two Ray nodes on the loopback address, this process connected as the driver; the
+    session's local Ray (if a test started it) is started again afterwards."""
     import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
-    saved = ray_constants.ENABLE_RAY_CLUSTER
+    saved, had_ray = ray_constants.ENABLE_RAY_CLUSTER, ray.is_initialized()
     ray_constants.ENABLE_RAY_CLUSTER = False  # nodes on 127.0.0.1 (infra/ray_runtime.py says why)
-    if ray.is_initialized():
+    if had_ray:
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
@@ -43,38 +43,32 @@ def cluster():
         ray.shutdown()
         c.shutdown()
         ray_constants.ENABLE_RAY_CLUSTER = saved
+        if had_ray:
+            from crawl2chat.infra.ray_runtime import ensure_ray
+
+            ensure_ray(num_cpus=2)
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nodes")
-    corpus = root / "corpus.txt"
-    corpus.write_text(corpus_text(3000))
-    tok_dir, _ = prepare_data(PretrainConfig(vocab_size=320, val_fraction=0.1), corpus, root / "prep")
-    return {"root": root, "corpus": corpus, "tok": tok_dir}
-
-
-def test_two_nodes_match_one_process_through_the_training_task(cluster, shared, tmp_path):
+def test_two_nodes_match_one_process_through_the_training_task(cluster, parallel_reference, tmp_path):
     from mlflow import MlflowClient
 
     from crawl2chat.infra.tracking import setup_tracking
     from crawl2chat.tasks.train import train_stage
 
-    single = shared["root"] / "single"
-    launch_training("pretrain", {"data": str(shared["corpus"])}, str(single), max_steps=STEPS,
-                    overrides=[*COMMON, f"tokenizer={shared['tok']}", "micro_batch_size=4"])
-
+    shared = parallel_reference
     uri = setup_tracking(tmp_path / "home", "nodes")
+    # Two machines of one process, 2 sequences each: the reference's 4 a step.
     fields = {**dict(o.split("=", 1) for o in COMMON), "tokenizer": str(shared["tok"]), "micro_batch_size": 2,
               "max_steps": STEPS}
     settings = PretrainConfig(**fields).model_dump(mode="json")
-    summary = train_stage("pretrain", {"data": str(shared["corpus"])}, str(shared["root"] / "two_nodes"), settings,
+    summary = train_stage("pretrain", {"data": str(shared["corpus"])}, str(tmp_path / "two_nodes"), settings,
                           num_processes=2, nodes=2)
-    run_dir = shared["root"] / "two_nodes" / "latest"
+    run_dir = tmp_path / "two_nodes" / "latest"
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["steps"] == STEPS
     # Each machine's launcher logged to its own file in the shared run folder.
     assert (run_dir / "train.log").is_file() and (run_dir / "train-node1.log").is_file()
+    single = shared["single"]
     ref = np.array([steps(single)[s]["loss"] for s in range(1, STEPS + 1)])
     got = np.array([steps(run_dir)[s]["loss"] for s in range(1, STEPS + 1)])
     print(f"2 nodes x 1 process vs 1 process over {STEPS} steps: max rel diff {(np.abs(got - ref) / ref).max():.3g}")
@@ -83,10 +77,12 @@ def test_two_nodes_match_one_process_through_the_training_task(cluster, shared, 
     assert run.data.params["nodes"] == "2" and run.info.status == "FINISHED"
 
 
-def test_more_nodes_than_the_cluster_has_is_refused(cluster, shared, tmp_path):
+def test_more_nodes_than_the_cluster_has_is_refused(cluster, parallel_reference, tmp_path):
+    shared = parallel_reference
+    overrides = [*COMMON, f"tokenizer={shared['tok']}"]
     with pytest.raises(ValueError, match=r"nodes=3 needs 3 machines in the Ray cluster; it has 2"):
         launch_training("pretrain", {"data": str(shared["corpus"])}, str(tmp_path / "three"), max_steps=2,
-                        overrides=[*COMMON, f"tokenizer={shared['tok']}"], num_processes=3, nodes=3)
+                        overrides=overrides, num_processes=3, nodes=3)
     with pytest.raises(ValueError, match=r"num_processes=3 must split evenly over nodes=2"):
         launch_training("pretrain", {"data": str(shared["corpus"])}, str(tmp_path / "uneven"), max_steps=2,
-                        overrides=[*COMMON, f"tokenizer={shared['tok']}"], num_processes=3, nodes=2)
+                        overrides=overrides, num_processes=3, nodes=2)

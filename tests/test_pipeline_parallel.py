@@ -15,41 +15,26 @@ from safetensors.torch import load_file
 
 from crawl2chat.stages.training.models import model_config
 from crawl2chat.stages.training.pipeline import check_pp_size, stage_layers
-from crawl2chat.stages.training.pretrain import prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig, SFTConfig
 from crawl2chat.stages.training.trainer import read_metrics
-from crawl2chat.tasks.train import launch_training
-from test_pretrain import BASE, corpus_text, steps
+from parallel_reference import STEPS, train
+from test_pretrain import steps
 
-# As in the tensor-parallel test: constant learning rate after warmup, the same global
-# batch (4 sequences) in every layout, the pipeline's micro-batches being the
-# accumulation micro-batches (2 of 2 rows for the 1-process run's one of 4).
-COMMON = [*BASE, "schedule=constant", "checkpoint_every=10", "eval_every=0", "grad_accum=1"]
-STEPS = 20
+# The reference (tests/parallel_reference.py): tiny preset, 20 steps, 4 sequences a step in one
+# process, constant learning rate after warmup; every layout here sees the same global batch.
 PP = ("pp_size=2", "micro_batch_size=2", "grad_accum=2", "eval_batches=8")
 RTOL = 1e-4  # losses of the pipeline run against the 1-process run
 WEIGHT_ATOL = 1e-4  # trained weights, pipeline against 1 process
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp")
-    corpus = root / "corpus.txt"
-    corpus.write_text(corpus_text(3000))
-    tok_dir, _ = prepare_data(PretrainConfig(vocab_size=320, val_fraction=0.1), corpus, root / "prep")
-    return {"root": root, "corpus": corpus, "tok": tok_dir}
-
-
-def train(shared, name: str, *extra: str, num_processes: int = 1, max_steps: int = STEPS):
-    out = shared["root"] / name
-    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=max_steps,
-                    num_processes=num_processes, overrides=[*COMMON, f"tokenizer={shared['tok']}", *extra])
-    return out
+def shared(parallel_reference):
+    return parallel_reference
 
 
 @pytest.fixture(scope="module")
 def runs(shared):
-    return {"single": train(shared, "single"), "pp": train(shared, "pp", *PP, num_processes=2)}
+    return {"single": shared["single"], "pp": train(shared, "pp", *PP, num_processes=2)}
 
 
 def losses(out) -> np.ndarray:

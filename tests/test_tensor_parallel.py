@@ -16,43 +16,27 @@ from safetensors.torch import load_file
 
 from crawl2chat.stages.training.models import model_config
 from crawl2chat.stages.training.parallel import LAYER_PLAN, check_tp_size
-from crawl2chat.stages.training.pretrain import prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.training.trainer import read_metrics
-from crawl2chat.tasks.train import launch_training
-from test_pretrain import BASE, corpus_text, steps
+from parallel_reference import STEPS, train
+from test_pretrain import steps
 
-# Constant learning rate after warmup: a run stopped at step 12 and resumed with
-# max_steps=20 follows the same schedule as an uninterrupted one. Same global batch
-# (4 sequences) in both layouts: tensor parallelism splits the model, not the batch.
-COMMON = [*BASE, "schedule=constant", "checkpoint_every=10", "eval_every=0", "grad_accum=1"]
-STEPS = 20
-# Half the micro-batch: twice the evaluation batches score the same held-out windows.
+# The reference (tests/parallel_reference.py): tiny preset, 20 steps, 4 sequences a step in one
+# process, constant learning rate after warmup; every layout here sees the same global batch.
 TP = ("tp_size=2", "micro_batch_size=2", "grad_accum=2", "eval_batches=8")
 RTOL = 1e-4  # losses of the 2-process TP run against the 1-process run
 WEIGHT_ATOL = 1e-4  # trained weights, TP against 1 process (sums split over ranks round differently)
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    corpus = root / "corpus.txt"
-    corpus.write_text(corpus_text(3000))
-    tok_dir, _ = prepare_data(PretrainConfig(vocab_size=320, val_fraction=0.1), corpus, root / "prep")
-    return {"root": root, "corpus": corpus, "tok": tok_dir}
-
-
-def train(shared, name: str, *extra: str, num_processes: int = 1, max_steps: int = STEPS):
-    out = shared["root"] / name
-    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=max_steps,
-                    num_processes=num_processes, overrides=[*COMMON, f"tokenizer={shared['tok']}", *extra])
-    return out
+def shared(parallel_reference):
+    return parallel_reference
 
 
 @pytest.fixture(scope="module")
 def runs(shared):
     # The TP run accumulates two micro-batches of 2 where the 1-process run takes one of 4: the same rows.
-    return {"single": train(shared, "single"), "tp": train(shared, "tp", *TP, num_processes=2)}
+    return {"single": shared["single"], "tp": train(shared, "tp", *TP, num_processes=2)}
 
 
 def test_tp_matches_one_process_and_saves_a_whole_model(runs):
