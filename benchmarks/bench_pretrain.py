@@ -12,8 +12,15 @@ CPU setting, whose reference run reaches 1.88 nats/char = 2.71 bits per byte.
 A byte-level BPE token carries more than one character, so at the same tokens
 per step this run sees more text; bits per byte compares the two fairly.
 
+Side by side with nanoGPT (``--with-peer`` creates its venv, see ``benchmarks/peers.py``):
+nanoGPT's own ``train.py`` (the unmodified sources in ``../shared/peers/nanogpt``, run in a
+scratch copy with the same ``input.txt``) at that shape, then ours, one after the other in
+this invocation; prints tokens/s, whole-command wall time and bits per byte of both, and
+the ratios.
+
     python benchmarks/bench_pretrain.py [--out DIR] [--quality-steps 2000] [--skip-quality]
         [--presets tiny,cpu-small,cpu] [--steps 30]   (--presets "" skips throughput)
+    python benchmarks/bench_pretrain.py --presets "" --with-peer   # the paired nanoGPT run only
 
 Prints one JSON document and writes it to OUT/bench_pretrain.json.
 """
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 import os
 import platform
 import time
@@ -32,6 +41,7 @@ import torch
 from crawl2chat.tasks.train import launch_training
 from crawl2chat.stages.training.trainer import measure_peak_flops
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/peers.py
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 NANOGPT_REF_BPB = 2.71
 
@@ -68,6 +78,41 @@ def quality(out: Path, steps: int) -> dict:
             "params_m": m["params"] / 1e6, "tokens_per_second": m["tokens_per_second"]}
 
 
+NANOGPT_ARGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+                "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
+
+
+def nanogpt(out: Path, steps: int, with_peer: bool) -> dict:
+    """nanoGPT's char-level CPU recipe on Tiny Shakespeare, in its own venv; tokens/s from
+    the median of its per-iteration times, bits per byte from its final validation loss
+    (one character is one byte in this ASCII text)."""
+    import re
+    import shutil
+    import statistics
+    import subprocess
+
+    from peers import peer_python, shared_peer_source
+
+    python = peer_python("nanogpt", ["torch==2.13.0", "numpy", "requests"], with_peer)
+    work = out / "nanogpt"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(shared_peer_source("nanogpt"), work)
+    shutil.copy(SHAKESPEARE, work / "data" / "shakespeare_char" / "input.txt")  # present: prepare.py downloads nothing
+    t0 = time.perf_counter()
+    subprocess.run([str(python), "data/shakespeare_char/prepare.py"], cwd=work, check=True, capture_output=True)
+    proc = subprocess.run([str(python), "train.py", "config/train_shakespeare_char.py", *NANOGPT_ARGS,
+                           f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
+                           "--out_dir=out"], cwd=work, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"nanoGPT failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    times = [float(t) for t in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", proc.stdout, re.M)][1:]
+    val = [float(v) for v in re.findall(r"val loss ([\d.]+)", proc.stdout)]
+    dt = statistics.median(times) / 1000
+    return {"steps": steps, "tokens_per_step": 12 * 64, "tokens_per_second": 12 * 64 / dt,
+            "val_bpb": val[-1] / math.log(2), "wall_seconds_incl_launch": wall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="/tmp/crawl2chat-bench-pretrain")
@@ -75,6 +120,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--quality-steps", type=int, default=2000)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--with-peer", action="store_true", help="run nanoGPT beside the quality run (its venv is made "
+                                                             "on first use)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -102,9 +149,20 @@ def main() -> None:
     result["machine"]["peak_fp32_matmul_gflops"] = machine_peak / 1e9
     for row in result["throughput"]:
         row["mfu_vs_machine_peak"] = row["achieved_gflops"] * 1e9 / machine_peak
+    if args.with_peer and SHAKESPEARE.exists():
+        result["nanogpt"] = nanogpt(out, args.quality_steps, args.with_peer)
+        print(json.dumps({"nanogpt": result["nanogpt"]}), flush=True)
     if not args.skip_quality and SHAKESPEARE.exists():
         result["quality"] = quality(out, args.quality_steps)
         print(json.dumps(result["quality"]), flush=True)
+    if "nanogpt" in result and "quality" in result:
+        ours, peer = result["quality"], result["nanogpt"]
+        result["vs_nanogpt"] = {"tokens_per_second": ours["tokens_per_second"] / peer["tokens_per_second"],
+                                "wall": ours["wall_seconds_incl_launch"] / peer["wall_seconds_incl_launch"],
+                                "val_bpb": {"crawl2chat": ours["val_bpb"], "nanogpt": peer["val_bpb"]}}
+        print(f"vs nanoGPT, same run: tokens/s x{result['vs_nanogpt']['tokens_per_second']:.2f}, whole command "
+              f"wall x{result['vs_nanogpt']['wall']:.2f}, bits per byte {ours['val_bpb']:.2f} vs {peer['val_bpb']:.2f}",
+              flush=True)
     result["machine"]["load_average_at_end"] = os.getloadavg()
     (out / "bench_pretrain.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
