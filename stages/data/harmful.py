@@ -20,7 +20,7 @@ from pathlib import Path
 from crawl2chat.stages.data import fasttext_models
 from crawl2chat.stages.data.base import Block, Document
 from crawl2chat.stages.data.settings import HarmfulConfig
-from crawl2chat.stages.data.text import split_words
+from crawl2chat.stages.data.text import page_words, split_words
 
 DEFAULT_LIST = "default"
 
@@ -85,7 +85,7 @@ class HarmfulContentFilter(Block):
         if listed is None:
             return None
         words, phrases = listed
-        tokens = [w.lower() for w in split_words(text)]
+        tokens = [w.lower() for w in page_words(text)]
         found = sum(t in words for t in tokens)
         if phrases:
             # Only positions whose word starts a listed phrase are compared, one slice per phrase
