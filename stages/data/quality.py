@@ -29,6 +29,7 @@ its probability of high quality.
 from __future__ import annotations
 
 import re
+from itertools import filterfalse
 from typing import Sequence
 
 import numpy as np
@@ -202,7 +203,7 @@ class GopherQualityFilter(HeuristicFilter):
 
         spaced = not is_unspaced(text, lang)
         if spaced:
-            mean_length = sum(len(w) for w in words) / n_words
+            mean_length = sum(map(len, words)) / n_words
             if cfg.min_mean_word_length is not None and checks.fails(mean_length < cfg.min_mean_word_length):
                 return "short_mean_word_length"
             if cfg.max_mean_word_length is not None and checks.fails(mean_length > cfg.max_mean_word_length):
@@ -228,15 +229,16 @@ class GopherQualityFilter(HeuristicFilter):
         if cfg.min_alpha_words_ratio is not None:
             # Tokens made only of symbols ("|", "»", "★★★") are words without letters too.
             symbol_tokens = len(_SYMBOL_TOKEN_RE.findall(text))
-            # isalpha() on the whole word settles most words in C; only words with a
-            # non-letter (numbers, "co-op", "don't") are looked at character by character.
-            alpha_words = sum(1 for w in words if w.isalpha() or any(c.isalpha() for c in w))
+            # Words made only of letters are passed over in C (filterfalse); only the others
+            # (numbers, "co-op", "don't") are looked at character by character.
+            no_letter = sum(1 for w in filterfalse(str.isalpha, words) if not any(c.isalpha() for c in w))
+            alpha_words = n_words - no_letter
             if checks.fails(alpha_words / (n_words + symbol_tokens) < cfg.min_alpha_words_ratio):
                 return "too_few_alpha_words"
 
         vocabulary = stop_words(lang) if spaced else None
         if cfg.min_stop_words is not None and vocabulary is not None:
-            found = sum(1 for w in words if w.lower() in vocabulary)
+            found = sum(map(vocabulary.__contains__, map(str.lower, words)))
             if checks.fails(found < cfg.min_stop_words):
                 return "too_few_stop_words"
         return None
