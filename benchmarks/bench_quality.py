@@ -59,6 +59,9 @@ def main() -> None:
     args = parser.parse_args()
 
     files = args.input or [str(WARC_DATA / name) for name in DEFAULT_FILES]
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise SystemExit(f"input files not found: {', '.join(missing)}")
     pages = load_pages(files) * args.scale
     blocks = build_quality_blocks(QualityConfig())
 
