@@ -4,9 +4,7 @@ A step's work happens in Ray worker processes, so the driver cannot see how far
 it got. Each step wraps its per-document function (:class:`Counted`,
 :class:`CountedClass`): once a batch is done, the worker adds its row count to a
 small tally actor (one short call per batch, waited for, so the total read when
-the job has ended is complete). One tally actor serves every step of a Ray job,
-each step counting under a key of its own: starting an actor is a new worker
-process, about a second per step on a small machine. While the job
+the job has ended is complete). While the job
 runs, :func:`counting` reads the tally every ``every`` seconds on the driver and
 hands the number to the caller's ``on_count``; the caller decides how to show it
 (the Prefect tasks draw a progress line). Without ``on_count`` there is no tally
@@ -23,9 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import ray
@@ -35,33 +31,18 @@ log = logging.getLogger(__name__)
 OnCount = Callable[[dict[str, int]], None]
 
 
-TALLY_ACTOR = "crawl2chat-data-tally"
-
-
 @ray.remote(num_cpus=0)
 class _Tally:
-    """Running totals by step key and name (``documents``, ``files``)."""
+    """Running totals by name (``documents``, ``files``)."""
 
     def __init__(self) -> None:
-        self.counts: dict[str, dict[str, int]] = {}
+        self.counts: dict[str, int] = {}
 
-    def add(self, key: str, name: str, n: int) -> None:
-        counts = self.counts.setdefault(key, {})
-        counts[name] = counts.get(name, 0) + int(n)
+    def add(self, name: str, n: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + int(n)
 
-    def read(self, key: str) -> dict[str, int]:
-        return dict(self.counts.get(key, {}))
-
-    def forget(self, key: str) -> None:
-        self.counts.pop(key, None)
-
-
-@dataclass(frozen=True)
-class Tally:
-    """One step's counts: the shared tally actor and the step's key in it."""
-
-    actor: Any
-    key: str
+    def read(self) -> dict[str, int]:
+        return dict(self.counts)
 
 
 def batch_rows(batch: Any) -> int:
@@ -73,13 +54,13 @@ def batch_rows(batch: Any) -> int:
     return len(batch)
 
 
-def report(tally: Tally | None, name: str, n: int) -> None:
+def report(tally: Any, name: str, n: int) -> None:
     """Add ``n`` to the tally (from a Ray worker) and wait until it is recorded: calls from
     different workers are not ordered with the driver's last read, so a batch whose count
     were still in flight when its job ended would be missing from the final figure. A
     tally of ``None`` counts nothing."""
     if tally is not None and n:
-        ray.get(tally.actor.add.remote(tally.key, name, n))
+        ray.get(tally.add.remote(name, n))
 
 
 class Counted:
@@ -115,15 +96,13 @@ def counting(on_count: OnCount | None, every: float = 1.0) -> Iterator[Any]:
     if on_count is None:
         yield None
         return
-    # The job's one tally actor (named within the job's namespace; a new Ray instance gets a new one).
-    actor = _Tally.options(name=TALLY_ACTOR, get_if_exists=True).remote()
-    tally = Tally(actor, uuid.uuid4().hex)
+    tally = _Tally.remote()
     stop = threading.Event()
     on_count({})  # the step starts: nothing counted yet
 
     def send() -> None:
         try:
-            on_count(ray.get(actor.read.remote(tally.key), timeout=30))
+            on_count(ray.get(tally.read.remote(), timeout=30))
         except Exception as e:  # noqa: BLE001 - a progress line is not worth failing a step
             log.debug("progress count not read: %s", e)
 
@@ -141,7 +120,4 @@ def counting(on_count: OnCount | None, every: float = 1.0) -> Iterator[Any]:
     finally:
         stop.set()
         thread.join()
-        try:
-            actor.forget.remote(tally.key)
-        except Exception as e:  # noqa: BLE001 - Ray already gone: nothing is left to forget
-            log.debug("progress tally not cleared: %s", e)
+        ray.kill(tally)
