@@ -101,6 +101,20 @@ def test_rerun_skips_finished_steps_and_keeps_the_same_output(pipeline_run):
     assert again["content_digest"] == manifest["content_digest"]
 
 
+def test_step_folders_read_by_the_driver_or_by_ray_workers_give_the_same_rows(pipeline_run, monkeypatch):
+    """Small step folders are read on the driver, large ones by Ray's Parquet reader: same rows."""
+    _, _, _, results, _ = pipeline_run
+
+    def rows(step_dir: str) -> list[dict]:
+        return sorted(steps.read_kept(step_dir).take_all(), key=lambda r: r["id"])
+
+    on_driver = {r.name: rows(r.out_dir) for r in results}
+    monkeypatch.setattr(steps, "DRIVER_READ_BYTES", 0)
+    by_workers = {r.name: rows(r.out_dir) for r in results}
+    assert on_driver == by_workers
+    assert all(on_driver[r.name] and len(on_driver[r.name]) == r.kept for r in results)
+
+
 def test_review_report_shows_kept_and_dropped_samples(pipeline_run):
     cfg, _, out, _, manifest = pipeline_run
     path = write_review(out, cfg.data.review)

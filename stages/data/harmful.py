@@ -20,7 +20,7 @@ from pathlib import Path
 from crawl2chat.stages.data import fasttext_models
 from crawl2chat.stages.data.base import Block, Document
 from crawl2chat.stages.data.settings import HarmfulConfig
-from crawl2chat.stages.data.text import split_words
+from crawl2chat.stages.data.text import page_words, split_words
 
 DEFAULT_LIST = "default"
 
@@ -48,6 +48,13 @@ def read_word_list(path: str, setting: str) -> tuple[frozenset[str], tuple[tuple
     return frozenset(words), tuple(sorted(phrases))
 
 
+def _phrase_index(phrases: tuple[tuple[str, ...], ...]) -> tuple[list[tuple[int, frozenset]], frozenset[str]]:
+    """A list's phrases grouped by length (``[(n, phrases of n words)]``), and their first words."""
+    lengths = sorted({len(p) for p in phrases})
+    by_length = [(n, frozenset(p for p in phrases if len(p) == n)) for n in lengths]
+    return by_length, frozenset(p[0] for p in phrases)
+
+
 class HarmfulContentFilter(Block):
     """Drops pages whose listed words reach ``max_word_fraction`` (``harmful:word_list``)
     or that the classifier scores as harmful (``harmful:classifier``)."""
@@ -59,6 +66,7 @@ class HarmfulContentFilter(Block):
         self.cfg = cfg or HarmfulConfig()
         self.lists = {lang: read_word_list(path, f"data.quality.harmful.word_lists.{lang}")
                       for lang, path in self.cfg.word_lists.items()}
+        self.phrase_index = {lang: _phrase_index(phrases) for lang, (_, phrases) in self.lists.items()}
         self.classifier = None
         if self.cfg.classifier_model:
             from crawl2chat.stages.data.quality_classifier import QualityClassifier
@@ -77,11 +85,17 @@ class HarmfulContentFilter(Block):
         if listed is None:
             return None
         words, phrases = listed
-        tokens = [w.lower() for w in split_words(text)]
+        tokens = [w.lower() for w in page_words(text)]
         found = sum(t in words for t in tokens)
-        for phrase in phrases:
-            n = len(phrase)
-            found += sum(1 for i in range(len(tokens) - n + 1) if tuple(tokens[i:i + n]) == phrase)
+        if phrases:
+            # Only positions whose word starts a listed phrase are compared, one slice per phrase
+            # length, instead of every phrase at every position (which cost more than all the
+            # other quality rules together). The phrases are distinct, so a position matches at
+            # most one phrase of each length: the count is the same.
+            by_length, starts = self.phrase_index[lang or ""]
+            for i, token in enumerate(tokens):
+                if token in starts:
+                    found += sum(tuple(tokens[i:i + n]) in listed_n for n, listed_n in by_length)
         return found, len(tokens)
 
     def process(self, doc: Document) -> str | None:

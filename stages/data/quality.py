@@ -29,12 +29,16 @@ its probability of high quality.
 from __future__ import annotations
 
 import re
+from itertools import filterfalse
+from typing import Sequence
 
 import numpy as np
 
 from crawl2chat.stages.data.base import Block, Document
 from crawl2chat.stages.data.quality_classifier import QualityClassifierFilter
-from crawl2chat.stages.data.text import count_sentences, is_unspaced, split_words, stop_words, unspaced_fraction
+from crawl2chat.stages.data.text import (
+    count_sentences, is_unspaced, page_words, split_words, stop_words, unspaced_fraction,
+)
 from crawl2chat.stages.data.settings import GopherQualityConfig, GopherRepetitionConfig, C4Config, FineWebQualityConfig, QualityConfig
 
 
@@ -47,6 +51,10 @@ from crawl2chat.stages.data.settings import GopherQualityConfig, GopherRepetitio
 
 _PARAGRAPH_RE = re.compile(r"\n\s*\n")
 _LINE_RE = re.compile(r"\n+")
+# A whitespace-separated token without a letter or digit ("|", "»", "★★★", "--"): ``\w`` is
+# exactly str.isalnum() plus "_", and ``\s`` exactly str.isspace(), which str.split() splits on,
+# so this counts what ``not any(c.isalnum() for c in token)`` over ``text.split()`` counts, in C.
+_SYMBOL_TOKEN_RE = re.compile(r"(?<!\S)(?:[^\w\s]|_)+(?!\S)")
 _CITATION_RE = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]|\[编辑\]|\[編集\]|\[Bearbeiten[^\]]*\]", re.I)
 
 
@@ -63,13 +71,13 @@ def find_duplicates(items: list[str]) -> tuple[int, int]:
     return dup_items, dup_chars
 
 
-def repetition_units(text: str, lang: str | None, chars_per_word: int) -> tuple[list[str], int]:
+def repetition_units(text: str, lang: str | None, chars_per_word: int) -> tuple[Sequence[str], int]:
     """The units n-gram rules count and how many of them make one "word".
 
     Spaced text: words, one per word. Unspaced text: the character-words of
     ``split_words``, ``chars_per_word`` of them standing for one word.
     """
-    words = split_words(text)
+    words = page_words(text)
     return words, (chars_per_word if is_unspaced(text, lang) else 1)
 
 
@@ -86,7 +94,7 @@ class NgramStats:
 
     _PRIME = np.uint64(0x100000001B3)
 
-    def __init__(self, words: list[str]):
+    def __init__(self, words: Sequence[str]):
         vocab: dict[str, int] = {}
         ids = [vocab.setdefault(w, len(vocab)) for w in words]
         # Spread small ids over 64 bits (splitmix64's finaliser) before mixing them.
@@ -95,7 +103,7 @@ class NgramStats:
             x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
             x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         self.ids = x ^ (x >> np.uint64(31))
-        self.lengths = np.fromiter((len(w) for w in words), dtype=np.int64, count=len(words))
+        self.lengths = np.fromiter(map(len, words), dtype=np.int64, count=len(words))
 
     def _grams(self, n: int):
         """(first index of each position's n-gram, count of each position's n-gram), or None."""
@@ -184,7 +192,7 @@ class GopherQualityFilter(HeuristicFilter):
 
     def check(self, doc: Document, checks: _Checks) -> str | None:
         cfg, text, lang = self.cfg, doc["text"], doc.get("lang")
-        words = split_words(text)
+        words = page_words(text)
         n_words = len(words)
         if cfg.min_words is not None and checks.fails(n_words < cfg.min_words):
             return "too_few_words"
@@ -195,7 +203,7 @@ class GopherQualityFilter(HeuristicFilter):
 
         spaced = not is_unspaced(text, lang)
         if spaced:
-            mean_length = sum(len(w) for w in words) / n_words
+            mean_length = sum(map(len, words)) / n_words
             if cfg.min_mean_word_length is not None and checks.fails(mean_length < cfg.min_mean_word_length):
                 return "short_mean_word_length"
             if cfg.max_mean_word_length is not None and checks.fails(mean_length > cfg.max_mean_word_length):
@@ -220,14 +228,17 @@ class GopherQualityFilter(HeuristicFilter):
 
         if cfg.min_alpha_words_ratio is not None:
             # Tokens made only of symbols ("|", "»", "★★★") are words without letters too.
-            symbol_tokens = sum(1 for t in text.split() if not any(c.isalnum() for c in t))
-            alpha_words = sum(1 for w in words if any(c.isalpha() for c in w))
+            symbol_tokens = len(_SYMBOL_TOKEN_RE.findall(text))
+            # Words made only of letters are passed over in C (filterfalse); only the others
+            # (numbers, "co-op", "don't") are looked at character by character.
+            no_letter = sum(1 for w in filterfalse(str.isalpha, words) if not any(c.isalpha() for c in w))
+            alpha_words = n_words - no_letter
             if checks.fails(alpha_words / (n_words + symbol_tokens) < cfg.min_alpha_words_ratio):
                 return "too_few_alpha_words"
 
         vocabulary = stop_words(lang) if spaced else None
         if cfg.min_stop_words is not None and vocabulary is not None:
-            found = sum(1 for w in words if w.lower() in vocabulary)
+            found = sum(map(vocabulary.__contains__, map(str.lower, words)))
             if checks.fails(found < cfg.min_stop_words):
                 return "too_few_stop_words"
         return None
@@ -374,7 +385,7 @@ class FineWebQualityFilter(HeuristicFilter):
             if checks.fails(ratio >= cfg.char_duplicates_ratio):
                 return "char_dup_ratio"
         if cfg.new_line_ratio is not None:
-            n_words = len(split_words(text))
+            n_words = len(page_words(text))
             if checks.fails(n_words == 0 or text.count("\n") / n_words > cfg.new_line_ratio):
                 return "list_ratio"
         return None

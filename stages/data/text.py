@@ -10,6 +10,7 @@ the combining marks that Indic scripts need inside words).
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 
@@ -61,6 +62,18 @@ def split_words(text: str) -> list[str]:
     return _WORD_RE.findall(text)
 
 
+@functools.lru_cache(maxsize=4)
+def page_words(text: str) -> tuple[str, ...]:
+    """:func:`split_words` of a whole page, remembered for the last few pages.
+
+    The quality filters each count a page's words (Gopher's repetition and quality
+    rules on the page as crawled, FineWeb's and the harmful-content rules on C4's
+    cleaned text); the split is most of their work, so each page is split once.
+    A tuple, so that no caller can change what the next one gets.
+    """
+    return tuple(_WORD_RE.findall(text))
+
+
 def split_tokens(text: str) -> list[str]:
     """:func:`split_words` plus runs of punctuation and symbols as tokens of their own.
 
@@ -86,6 +99,7 @@ def normalize_for_hash(text: str) -> str:
     return " ".join(text.split())
 
 
+@functools.lru_cache(maxsize=4)  # asked of the same page by several quality filters
 def is_unspaced(text: str, lang: str | None = None) -> bool:
     """Whether ``text`` is mostly written without spaces between words.
 
