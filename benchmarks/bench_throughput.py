@@ -14,9 +14,9 @@ then the crawl2chat / datatrove ratios and how time and memory grow with scale.
     /work/main/.venv/bin/python benchmarks/bench_throughput.py --scales 1,4   # quicker
 
 crawl2chat runs in a subprocess of the project venv (``--_side crawl2chat``), datatrove
-in a subprocess of a separate venv (``--bench-python``, default /work/bench-venv/bin/python;
-see benchmarks/README.md for how to build it -- never install datatrove into the project
-venv). The same file is the entry point of both subprocesses: only the parent imports
+in a subprocess of a separate venv (``--with-peer`` makes it on first use, see
+``benchmarks/peers.py``; ``--bench-python`` points at another one) -- never install
+datatrove into the project venv. The same file is the entry point of both subprocesses: only the parent imports
 psutil, only each side imports its own framework.
 
 How the two sides are made comparable
@@ -65,7 +65,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-DEFAULT_BENCH_PYTHON = "/work/bench-venv/bin/python"
+# datatrove's venv (its extras pin an old trafilatura and another fastText build: never the project's venv)
+DATATROVE_REQUIREMENTS = ["datatrove[io,processing]==0.10.1", "spacy", "psutil", "trafilatura==2.3.1",
+                          "Resiliparse==2.0.1"]
 DEFAULT_INPUTS = [
     "/work/shared/data/warc/dolma/*.warc.gz",
     "/work/shared/data/warc/resiliparse/warcfile.warc.gz",
@@ -472,7 +474,9 @@ def main() -> None:
     ap.add_argument("--scales", default="1,4,16", help="comma-separated replication factors")
     ap.add_argument("--extractor", choices=["trafilatura", "resiliparse"], default="trafilatura")
     ap.add_argument("--workers", type=int, default=2, help="Ray CPUs / datatrove worker processes")
-    ap.add_argument("--bench-python", default=DEFAULT_BENCH_PYTHON, help="python of the datatrove venv")
+    ap.add_argument("--bench-python", default=None, help="python of a datatrove venv (default: the peer venv "
+                    "benchmarks/peers.py keeps)")
+    ap.add_argument("--with-peer", action="store_true", help="create the datatrove venv if it does not exist")
     ap.add_argument("--sides", default="crawl2chat,datatrove")
     ap.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
@@ -497,9 +501,16 @@ def main() -> None:
         sys.exit("no input WARC files found; pass --input PATH")
     scales = [int(s) for s in args.scales.split(",") if s.strip()]
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if "datatrove" in sides and args.bench_python is None:
+        sys.path.insert(0, str(HERE))
+        from peers import PeerMissing, peer_python
+
+        try:
+            args.bench_python = str(peer_python("datatrove", DATATROVE_REQUIREMENTS, args.with_peer))
+        except PeerMissing as e:
+            sys.exit(f"{e}, or pass --sides crawl2chat")
     if "datatrove" in sides and not os.path.exists(args.bench_python):
-        sys.exit(f"{args.bench_python} not found: build the datatrove venv (benchmarks/README.md) "
-                 "or pass --sides crawl2chat")
+        sys.exit(f"{args.bench_python} not found: pass --with-peer or --sides crawl2chat")
     from crawl2chat.stages.data.langid import bundled_model_path
 
     lid = bundled_model_path()
