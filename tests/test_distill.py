@@ -50,7 +50,7 @@ def test_distill_command_learns_and_reports_teacher_and_baseline(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(corpus_text())
     teacher_run = tmp_path / "teacher"
-    launch_training("pretrain", {"data": str(corpus)}, str(teacher_run), max_steps=120, overrides=TEACHER)
+    launch_training("pretrain", {"data": str(corpus)}, str(teacher_run), max_steps=60, overrides=TEACHER)
     teacher = teacher_run / "model"
 
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
