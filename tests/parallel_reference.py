@@ -32,3 +32,31 @@ def build(root: Path) -> dict:
     shared = {"root": root, "corpus": corpus, "tok": tok_dir}
     shared["single"] = train(shared, "single")  # 4 sequences a step, one process
     return shared
+
+
+def assert_same_weights(out: Path, single: Path, atol: float) -> dict:
+    """``out``'s saved model holds every tensor of the reference's, same shapes, within ``atol``;
+    returns ``out``'s tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    want, have = load_file(single / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert want.keys() == have.keys()
+    for k in want:
+        assert have[k].shape == want[k].shape, k
+        torch.testing.assert_close(have[k], want[k], rtol=0, atol=atol, msg=k)
+    return have
+
+
+def load_and_score_like(out: Path, single: Path):
+    """``out``'s Hugging Face folder, loaded in one process, gives the reference's logits
+    (within 1e-3) on a few tokens; returns the loaded model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tokens = torch.tensor([[3, 17, 40, 5, 9, 100]])
+    with torch.no_grad():
+        ref_model = AutoModelForCausalLM.from_pretrained(single / "model")
+        torch.testing.assert_close(model(tokens).logits, ref_model(tokens).logits, rtol=0, atol=1e-3)
+    return model

@@ -17,7 +17,7 @@ from crawl2chat.stages.training.models import model_config
 from crawl2chat.stages.training.pipeline import check_pp_size, stage_layers
 from crawl2chat.stages.training.settings import PretrainConfig, SFTConfig
 from crawl2chat.stages.training.trainer import read_metrics
-from parallel_reference import STEPS, train
+from parallel_reference import STEPS, assert_same_weights, load_and_score_like, train
 from test_pretrain import steps
 
 # The reference (tests/parallel_reference.py): tiny preset, 20 steps, 4 sequences a step in one
@@ -53,11 +53,7 @@ def assert_matches_single(out, single) -> dict:
     gn = np.array([steps(out)[s]["grad_norm"] for s in range(1, STEPS + 1)])
     np.testing.assert_allclose(gn, gn_ref, rtol=1e-3)  # clipping saw every stage's gradient, the tied matrix once
     assert metrics["val_loss"] == pytest.approx(ref_metrics["val_loss"], rel=RTOL)
-    want, have = load_file(single / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
-    assert want.keys() == have.keys()
-    for k in want:
-        assert have[k].shape == want[k].shape, k
-        torch.testing.assert_close(have[k], want[k], rtol=0, atol=WEIGHT_ATOL, msg=k)
+    assert_same_weights(out, single, WEIGHT_ATOL)
     return metrics
 
 
@@ -68,14 +64,7 @@ def test_pipeline_matches_one_process_and_saves_a_whole_model(runs):
         json.loads((single / "metrics.json").read_text())["params"]
 
     # The folder holds the whole model (both stages), loads in one process, and scores as the 1-process one.
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(pp / "model")
-    assert model.config.num_hidden_layers == 2
-    tokens = torch.tensor([[3, 17, 40, 5, 9, 100]])
-    with torch.no_grad():
-        ref_model = AutoModelForCausalLM.from_pretrained(single / "model")
-        torch.testing.assert_close(model(tokens).logits, ref_model(tokens).logits, rtol=0, atol=1e-3)
+    assert load_and_score_like(pp, single).config.num_hidden_layers == 2
 
 
 def test_pipeline_resume_matches_uninterrupted(shared, runs):

@@ -71,7 +71,7 @@ def page_words(text: str) -> tuple[str, ...]:
     cleaned text); the split is most of their work, so each page is split once.
     A tuple, so that no caller can change what the next one gets.
     """
-    return tuple(_WORD_RE.findall(text))
+    return tuple(split_words(text))
 
 
 def split_tokens(text: str) -> list[str]:
