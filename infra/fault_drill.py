@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,30 @@ def target_pid(target: str, owner: subprocess.Popen, out: str | os.PathLike, mod
     return None
 
 
+@contextmanager
+def paused(pid: int):
+    """SIGSTOP ``pid`` and its descendants for the duration of the block, then SIGCONT them."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for proc in procs:
+        try:
+            proc.suspend()
+        except psutil.Error:
+            pass
+    try:
+        yield
+    finally:
+        for proc in procs:
+            try:
+                proc.resume()
+            except psutil.Error:
+                pass
+
+
 def start_owner(spec: dict, log: str | os.PathLike | None = None) -> subprocess.Popen:
     """The owner process of the launch ``spec`` (stage, inputs, out, max_steps, overrides)."""
     sink = open(log, "ab") if log else subprocess.DEVNULL
@@ -123,8 +148,11 @@ def kill_at(spec: dict, point: KillPoint, timeout: float = 600.0, on_running=Non
             steps = logged_steps(out)
             if steps >= 1 and on_running and not called:
                 called = True
-                on_running(owner)
+                with paused(owner.pid):  # the run stays where it is while the checks take their time
+                    on_running(owner)
                 continue
+            if steps >= spec["max_steps"]:
+                break  # finished training before the kill point: ``killed`` stays False
             ready = steps >= point.step
             if ready and point.during_save:
                 ready = any(p.name.endswith(".tmp") for p in (out / "checkpoints").glob("step_*.tmp"))
@@ -326,8 +354,8 @@ def data_command(inputs: list[str], out: str | os.PathLike) -> list[str]:
     return cmd
 
 
-def tagged_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries ``DATA_TAG=tag``."""
+def tagged_processes(tag: str) -> list[tuple[int, str]]:
+    """Live processes whose environment carries ``DATA_TAG=tag``, with their command lines."""
     needle = f"{DATA_TAG}={tag}".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -336,10 +364,11 @@ def tagged_processes(tag: str) -> list[int]:
         try:
             env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         if needle in env and state != "Z":
-            found.append(int(entry))
+            found.append((int(entry), cmd.strip()[:300]))
     return found
 
 

@@ -31,7 +31,10 @@ parent-death signal. A command therefore holds a *lifeline*
 (:func:`hold_lifeline`): a token in ``CRAWL2CHAT_LIFELINE`` that every process it
 starts inherits, and a small reaper process that waits on a pipe from the
 command. The pipe closes when the command ends, however it ends; the reaper then
-kills every process still carrying the token and exits.
+kills every process still carrying the token and exits. While it waits it also
+keeps a list of the command's descendants (pid and start time, every half
+second), and kills those too: a process started with an environment of its own
+choosing does not carry the token.
 """
 
 from __future__ import annotations
@@ -199,11 +202,22 @@ def carrying(token: str) -> list[int]:
     return found
 
 
-def reap(token: str, settle: float = 2.0, limit: float = 30.0) -> list[int]:
-    """Kill every process carrying ``token``, scanning again until none has been seen
-    for ``settle`` seconds (a process may be starting while its parent is killed), or
-    ``limit`` seconds have passed."""
+def reap(token: str, known: dict[int, float] | None = None, settle: float = 2.0, limit: float = 20.0) -> list[int]:
+    """Kill every process carrying ``token`` and every process of ``known`` (pid: start
+    time; a pid since reused by another process is left alone), scanning again until
+    none has been seen for ``settle`` seconds (a process may be starting while its
+    parent is killed), or ``limit`` seconds have passed."""
+    import psutil
+
     killed: list[int] = []
+    for pid, started in (known or {}).items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started:
+                proc.kill()
+                killed.append(pid)
+        except psutil.Error:
+            pass
     start = last_seen = time.monotonic()
     while time.monotonic() - last_seen < settle and time.monotonic() - start < limit:
         for pid in carrying(token):
@@ -217,6 +231,19 @@ def reap(token: str, settle: float = 2.0, limit: float = 30.0) -> list[int]:
     return killed
 
 
+def _family(pid: int) -> dict[int, float]:
+    """``pid``'s live descendants, pid: start time."""
+    import psutil
+
+    found = {}
+    for proc in descendants(pid):
+        try:
+            found[proc.pid] = proc.create_time()
+        except psutil.Error:
+            pass
+    return found
+
+
 def _reaper_main(token: str) -> None:
     """Wait for the command to end, then reap. The end is the pipe's EOF, or this process
     being re-parented: a process the command forked without exec holds a copy of the
@@ -225,15 +252,27 @@ def _reaper_main(token: str) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    command = int(token.split(":", 1)[0])
     parent = os.getppid()
+    known: dict[int, float] = {}
+    scanned = 0.0
     try:
-        while os.getppid() == parent:
+        # A parent other than the command means the command has already ended (this
+        # process was re-parented before it got here): only the token is left to go by.
+        while parent == command and os.getppid() == parent:
+            if time.monotonic() - scanned >= 1.0:
+                scanned = time.monotonic()
+                family = _family(command)
+                if os.getppid() != command:
+                    break  # the command ended during the scan; its pid may already be another's
+                known.update(family)
+                known.pop(os.getpid(), None)
             ready, _, _ = select.select([sys.stdin.fileno()], [], [], 0.5)
             if ready and not os.read(sys.stdin.fileno(), 65536):
                 break
     except OSError:
         pass
-    reap(token)
+    reap(token, known)
 
 
 if __name__ == "__main__":
