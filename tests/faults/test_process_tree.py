@@ -154,7 +154,11 @@ HELD = textwrap.dedent("""
     a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], start_new_session=True)
     b = subprocess.Popen([sys.executable, '-c', 'import ctypes, time; ctypes.CDLL(None).prctl(15, b"ray::Agent", 0, 0, 0); '
                           'time.sleep(600)', sys.argv[1]], start_new_session=True)
-    print(a.pid, b.pid, flush=True)
+    # And one started with an environment of its own choosing, without the lifeline's token.
+    c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], start_new_session=True,
+                         env={'PATH': os.environ.get('PATH', '')})
+    time.sleep(2)  # the reaper notes the command's descendants once a second
+    print(a.pid, b.pid, c.pid, flush=True)
     time.sleep(600)
 """)
 
@@ -162,15 +166,16 @@ HELD = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
 def test_processes_outside_the_launch_path_die_with_a_command_holding_its_lifeline(tmp_path, sig):
     """A command (the CLI holds a lifeline from its first line) whose children were started
-    by libraries, out of its process group and without a parent-death signal: when the
-    command is killed, its reaper kills them."""
+    by libraries, out of its process group and without a parent-death signal (one of them
+    without the lifeline's token in its environment): when the command is killed, its
+    reaper kills them."""
     import psutil
 
     tag = f"lifeline-{os.getpid()}-{sig.name}"
     command = subprocess.Popen([sys.executable, "-c", HELD, tag], stdout=subprocess.PIPE, text=True,
                                start_new_session=True)
     children = [psutil.Process(int(p)) for p in command.stdout.readline().split()]
-    assert len(children) == 2 and all(c.is_running() for c in children)
+    assert len(children) == 3 and all(c.is_running() for c in children)
     os.kill(command.pid, sig)
     command.wait(timeout=30)
     gone, alive = psutil.wait_procs(children, timeout=20)
