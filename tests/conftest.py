@@ -26,24 +26,6 @@ _SERVICE_VARS = ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "MLFLO
                  "MLFLOW_EXPERIMENT_NAME")
 
 
-# The suite runs on two pytest-xdist workers (pyproject's addopts; ``-n 0`` runs it in one
-# process). Tests that share an expensive session fixture run on one worker, so the
-# fixture is built once: the fault drills' uninterrupted reference runs, and the
-# 1-process run the model-parallel tests compare with.
-_WORKER_GROUPS = {
-    "fault-references": ("test_kill_training.py", "test_kill_export.py", "test_out_of_space.py",
-                         "test_checkpoint_safety.py", "test_rollback_state.py"),
-    "parallel-reference": ("test_tensor_parallel.py", "test_pipeline_parallel.py", "test_multinode.py"),
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        for group, files in _WORKER_GROUPS.items():
-            if item.path.name in files:
-                item.add_marker(pytest.mark.xdist_group(group))
-
-
 @pytest.fixture(autouse=True)
 def _service_addresses_do_not_leak():
     saved = {k: os.environ.get(k) for k in _SERVICE_VARS}
