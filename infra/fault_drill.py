@@ -101,8 +101,10 @@ def paused(pid: int):
     """SIGSTOP ``pid`` and its descendants for the duration of the block, then SIGCONT them."""
     import psutil
 
+    from crawl2chat.stages.lifetime import descendants
+
     try:
-        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+        procs = [psutil.Process(pid)] + descendants(pid)
     except psutil.Error:
         procs = []
     for proc in procs:

@@ -32,7 +32,7 @@ parent-death signal. A command therefore holds a *lifeline*
 starts inherits, and a small reaper process that waits on a pipe from the
 command. The pipe closes when the command ends, however it ends; the reaper then
 kills every process still carrying the token and exits. While it waits it also
-keeps a list of the command's descendants (pid and start time, every half
+keeps a list of the command's descendants (pid and start time, once a
 second), and kills those too: a process started with an environment of its own
 choosing does not carry the token.
 """
