@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from crawl2chat.infra.prefect_runtime import configure_prefect_env
+from crawl2chat.infra.prefect_runtime import configure_prefect_env, start_embedded_api, wait_for_embedded_api
 from crawl2chat.stages.training.registry import STAGES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -61,13 +61,15 @@ def _prepare_services(cfg) -> None:
     the command with one sentence and exit status 2."""
     from crawl2chat.infra.workdir import FolderUnusable, check_home
 
-    embedded = not os.environ.get("PREFECT_API_URL") or not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI"))
-    if embedded:
+    embedded_prefect = not os.environ.get("PREFECT_API_URL")
+    if embedded_prefect or not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
         try:
             check_home(cfg.home)
         except FolderUnusable as e:
             _fail(str(e), 2)
     configure_prefect_env(cfg.home)
+    if embedded_prefect:
+        start_embedded_api(cfg.home)  # comes up while the command imports its stages
 
 
 @app.command()
@@ -136,8 +138,12 @@ def _guarded(body, home: str | None = None):
     from crawl2chat.stages.data.versions import DamagedDataError
     from crawl2chat.stages.locks import FolderBusy
     from crawl2chat.stages.settings import SettingsError
-    from crawl2chat.tasks.train import StageFailed
+    from crawl2chat.stages.training.failures import StageFailed
 
+    try:
+        wait_for_embedded_api()
+    except RuntimeError as e:
+        _fail(str(e))
     try:
         return body()
     except StageFailed as e:

@@ -1,17 +1,43 @@
 """Prefect wiring for the embedded default and for a real server.
 
-With no ``PREFECT_API_URL``, Prefect starts a temporary local API server the first
-time a flow runs; on a small machine that takes 15-25 s, longer than Prefect's
-own default wait, so the wait is raised here before Prefect is imported. With
-``PREFECT_API_URL`` set, flows report to that server (and its UI) instead.
+With no ``PREFECT_API_URL``, a command runs its flows against a temporary local
+Prefect API server whose SQLite database lives in the project folder
+(``HOME/prefect``). Prefect would start that server itself on the first API call,
+but only after the command has imported Prefect's whole server package (about 6 s
+on a small machine) and then waiting another 8-15 s for it to come up, all on the
+critical path. :func:`start_embedded_api` instead starts the same server process
+(the same ``uvicorn`` factory and settings as Prefect's ``SubprocessASGIServer``)
+as soon as the settings are read, so it comes up while the command imports Ray,
+torch and its stages, and :func:`wait_for_embedded_api` waits for it just before
+the first flow runs.
+
+A new project folder's database needs Prefect's migrations (about 9 s). The first
+freshly migrated database on a machine is copied (SQLite's backup API, a
+consistent snapshot) into a per-Prefect-version template in the user's cache, and
+later new project folders start from a copy of it; Prefect still checks and
+applies migrations on start, so a template from an older layout is brought up to
+date rather than trusted.
+
+With ``PREFECT_API_URL`` set, flows report to that server (and its UI) instead,
+and nothing is started.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from crawl2chat.stages.telemetry import disable_telemetry
+
+EMBEDDED_ENV = "CRAWL2CHAT_EMBEDDED_PREFECT"  # set while PREFECT_API_URL points at the command's own server
+API_LOG = "logs/prefect-api.log"  # under the project folder
+_DB_NAME = "prefect.db"
 
 
 def configure_prefect_env(home: str | None = None) -> None:
@@ -34,3 +60,156 @@ def configure_prefect_env(home: str | None = None) -> None:
     # Flow-run logs go to the terminal through our own per-step lines; keep Prefect's terse.
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "false")
+
+
+def embedded() -> bool:
+    """Whether flows report to a temporary server of this command (or, before
+    :func:`start_embedded_api`, would have Prefect start one)."""
+    return bool(os.environ.get(EMBEDDED_ENV)) or not os.environ.get("PREFECT_API_URL")
+
+
+class _EmbeddedAPI:
+    process: subprocess.Popen | None = None
+    url: str = ""
+    db: Path | None = None
+    fresh_db: bool = False  # the database did not exist before this server started
+
+
+def _prefect_package_dir() -> Path:
+    """Prefect's package folder, found without importing Prefect."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("prefect")
+    return Path(spec.origin).parent
+
+
+def _prefect_version() -> str:
+    from importlib.metadata import version
+
+    return version("prefect")
+
+
+def _template_path() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "crawl2chat" / f"prefect-{_prefect_version()}-{sys.version_info[0]}.{sys.version_info[1]}.db"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _database(prefect_home: Path) -> Path | None:
+    """The SQLite file the server will use, when it is the default one under PREFECT_HOME."""
+    url = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    return None if url else prefect_home / _DB_NAME
+
+
+def start_embedded_api(home: str) -> None:
+    """Start this command's temporary Prefect API server in the background and point
+    Prefect at it (``PREFECT_API_URL``); a no-op when a server is configured."""
+    if os.environ.get("PREFECT_API_URL") or _EmbeddedAPI.process is not None:
+        return
+    from crawl2chat.stages.lifetime import die_with_parent_preexec
+
+    prefect_home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect")
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    db = _database(prefect_home)
+    fresh = db is not None and not db.exists()
+    if fresh:
+        _copy_template(db)
+    log_path = Path(home).resolve() / API_LOG
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    env = dict(os.environ, PREFECT_HOME=str(prefect_home), PREFECT_UI_ENABLED="0",
+               PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1")
+    with open(log_path, "ab") as log:
+        _EmbeddedAPI.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(_prefect_package_dir().parent),
+             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "error", "--lifespan", "on"],
+            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            # Out of the terminal's process group, so Ctrl-C reaches the command first and its
+            # flow can still record how it ended; it dies with the command (parent-death
+            # signal, the lifeline, and stop_embedded_api at exit).
+            start_new_session=True, preexec_fn=die_with_parent_preexec())
+    _EmbeddedAPI.url, _EmbeddedAPI.db, _EmbeddedAPI.fresh_db = f"http://127.0.0.1:{port}/api", db, fresh
+    os.environ["PREFECT_API_URL"] = _EmbeddedAPI.url
+    os.environ[EMBEDDED_ENV] = "1"
+    atexit.register(stop_embedded_api)
+
+
+def wait_for_embedded_api() -> None:
+    """Block until this command's temporary server answers; a server that exits or does
+    not answer within ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` raises
+    RuntimeError naming its log."""
+    proc = _EmbeddedAPI.process
+    if proc is None or getattr(_EmbeddedAPI, "ready", False):
+        return
+    import httpx
+
+    limit = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
+    deadline = time.monotonic() + limit
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"The local Prefect API server exited with status {proc.returncode} "
+                                   f"before answering; see {os.environ.get('PREFECT_HOME')} and the "
+                                   f"log {API_LOG} in the project folder.")
+            try:
+                if client.get(f"{_EmbeddedAPI.url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"The local Prefect API server did not answer within {limit:.0f} s "
+                                   f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); see the log "
+                                   f"{API_LOG} in the project folder.")
+            time.sleep(0.1)
+    _EmbeddedAPI.ready = True
+    if _EmbeddedAPI.fresh_db:
+        _save_template(_EmbeddedAPI.db)
+
+
+def stop_embedded_api() -> None:
+    """Stop this command's temporary server (at exit)."""
+    proc, _EmbeddedAPI.process = _EmbeddedAPI.process, None
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _copy_template(db: Path) -> None:
+    template = _template_path()
+    if not template.is_file():
+        return
+    tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(template, tmp)
+        os.replace(tmp, db)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_template(db: Path | None) -> None:
+    """Keep a snapshot of a freshly migrated database as the template (once per machine
+    and Prefect version); a failure here costs only the next folder's migrations."""
+    import sqlite3
+
+    template = _template_path()
+    if db is None or template.exists() or not db.is_file():
+        return
+    tmp = template.with_name(f".{template.name}.tmp-{os.getpid()}")
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        with sqlite3.connect(db) as source, sqlite3.connect(tmp) as target:
+            source.backup(target)
+        os.replace(tmp, template)
+    except (OSError, sqlite3.Error):
+        tmp.unlink(missing_ok=True)

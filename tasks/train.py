@@ -30,7 +30,8 @@ from crawl2chat.infra.training_records import MetricsFollower, log_model_folder
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.secrets import mask_secrets
-from crawl2chat.stages.training.stage import FAILURE_FILE, TRANSIENT, model_damage, read_failure, script_argv
+from crawl2chat.stages.training.failures import FAILURE_FILE, TRANSIENT, StageFailed, read_failure
+from crawl2chat.stages.training.stage import model_damage, script_argv
 
 
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
@@ -47,19 +48,6 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
     log = "train.log" if node is None or node.rank == 0 else f"train-node{node.rank}.log"
     return run_streaming(cmd, env={**quiet, **(env or {})}, log_path=Path(out) / log, on_line=on_line)
-
-
-class StageFailed(RuntimeError):
-    """A training script that failed, with the kind of failure it reported
-    (``OUT/failure.json``); a process killed before it could report is transient."""
-
-    def __init__(self, stage: str, kind: str, message: str, log_path: Path | None):
-        self.stage, self.kind, self.message, self.log_path = stage, kind, message, log_path
-        super().__init__(f"{stage}: {message} (full log: {log_path})")
-
-    @property
-    def permanent(self) -> bool:
-        return self.kind != TRANSIENT
 
 
 def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_steps: int | None = None,

@@ -42,20 +42,11 @@ from crawl2chat.stages.locks import FolderBusy, acquire
 from crawl2chat.stages.resources import exhaustion
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.settings import SettingsError, load_settings, parse_overrides
+from crawl2chat.stages.training.failures import (BAD_INPUT, BUSY, DIVERGED, EXHAUSTED, EXIT_CODES, FAILURE_FILE,
+                                                  TRANSIENT)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES
 from crawl2chat.stages.training.trainer import Trainer, TrainingDiverged, make_accelerator
-
-FAILURE_FILE = "failure.json"
-
-# Failure kinds; only "transient" is worth a second attempt.
-BAD_INPUT = "bad_input"  # settings, data or a missing file: the user must change something
-DIVERGED = "diverged"  # training diverged after every rollback
-EXHAUSTED = "exhausted"  # the disk, a file size limit or memory ran out: a rerun fails the same way
-TRANSIENT = "transient"  # anything else (a lost peer, a killed process): a rerun resumes from the checkpoint
-BUSY = "busy"  # another process is writing the run folder (reported on stderr only: the folder is not ours)
-EXIT_CODES = {BAD_INPUT: 2, DIVERGED: 3, TRANSIENT: 1, BUSY: 4, EXHAUSTED: 5}
-
 
 def failure_kind(error: BaseException) -> str:
     if isinstance(error, TrainingDiverged):
@@ -65,14 +56,6 @@ def failure_kind(error: BaseException) -> str:
     if isinstance(error, (SettingsError, ValueError, FileNotFoundError, KeyError, TypeError)):
         return BAD_INPUT
     return TRANSIENT
-
-
-def read_failure(out: str | Path) -> dict[str, Any] | None:
-    """The failure a script reported in ``out``, if any."""
-    try:
-        return json.loads((Path(out) / FAILURE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _out_arg(argv: list[str]) -> Path | None:

@@ -21,7 +21,7 @@ from prefect.states import Failed
 from crawl2chat.infra.fault_drill import PRETRAIN_STEPS, pretrain_spec
 from crawl2chat.stages.checksums import folder_damage
 from crawl2chat.stages.data.versions import iter_documents, read_manifest, shard_damage
-from crawl2chat.stages.training.stage import EXHAUSTED
+from crawl2chat.stages.training.failures import EXHAUSTED
 from crawl2chat.tasks.data import retry_unless_exhausted
 from crawl2chat.tasks.train import StageFailed, retry_transient
 
