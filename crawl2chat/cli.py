@@ -9,15 +9,33 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperCommand
 
 from crawl2chat.infra.prefect_runtime import configure_prefect_env, start_embedded_api, wait_for_embedded_api
 from crawl2chat.stages.training.registry import STAGES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="From raw web pages to an aligned chat model.\n\n"
-                       "Example: crawl2chat run   (the whole chain on this machine; then crawl2chat chat "
-                       "--model runs/ppo/model)")
 
+class _Command(TyperCommand):
+    """A command that, once its arguments are parsed (not for ``--help``), ties every
+    process it starts (Prefect's API, Ray, training) to its own life."""
+
+    def invoke(self, ctx):
+        from crawl2chat.stages.lifetime import hold_lifeline
+
+        hold_lifeline()
+        return super().invoke(ctx)
+
+
+class _App(typer.Typer):
+    def command(self, *args, **kwargs):
+        kwargs.setdefault("cls", _Command)
+        return super().command(*args, **kwargs)
+
+
+app = _App(add_completion=False, no_args_is_help=True,
+           help="From raw web pages to an aligned chat model.\n\n"
+                "Example: crawl2chat run   (the whole chain on this machine; then crawl2chat chat "
+                "--model runs/ppo/model)")
 
 
 @app.callback()
@@ -25,9 +43,7 @@ def _entry(verbose: bool = typer.Option(False, "--verbose", "-v",
                                         help="Show the libraries' own notices too (MLflow, Ray, DeepSpeed); "
                                              "they always reach the log files.")) -> None:
     from crawl2chat.infra.console import VERBOSE_ENV, quiet_libraries
-    from crawl2chat.stages.lifetime import hold_lifeline
 
-    hold_lifeline()  # nothing this command starts (Prefect's API, Ray, training) outlives it
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_libraries()

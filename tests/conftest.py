@@ -72,3 +72,24 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+def pytest_runtest_logreport(report):
+    """A failure's report printed the moment it happens, not only in the summary at the
+    end: a run cut short (a CI time limit) still shows what failed and why."""
+    if not report.failed:
+        return
+    reporter = _CONFIG["config"].pluginmanager.get_plugin("terminalreporter") if _CONFIG else None
+    if reporter is None:
+        return
+    reporter.write("\n")
+    reporter.section(f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s)", sep="-")
+    text = str(report.longrepr)
+    reporter.write_line(text if len(text) <= 8000 else "...\n" + text[-8000:])
+
+
+_CONFIG: dict = {}
+
+
+def pytest_configure(config):
+    _CONFIG["config"] = config
