@@ -35,7 +35,6 @@ from pathlib import Path
 
 from crawl2chat.stages.telemetry import disable_telemetry
 
-EMBEDDED_ENV = "CRAWL2CHAT_EMBEDDED_PREFECT"  # set while PREFECT_API_URL points at the command's own server
 API_LOG = "logs/prefect-api.log"  # under the project folder
 _DB_NAME = "prefect.db"
 
@@ -62,14 +61,11 @@ def configure_prefect_env(home: str | None = None) -> None:
     os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "false")
 
 
-def embedded() -> bool:
-    """Whether flows report to a temporary server of this command (or, before
-    :func:`start_embedded_api`, would have Prefect start one)."""
-    return bool(os.environ.get(EMBEDDED_ENV)) or not os.environ.get("PREFECT_API_URL")
-
-
 class _EmbeddedAPI:
+    """This command's temporary server (one per process)."""
+
     process: subprocess.Popen | None = None
+    ready: bool = False
     url: str = ""
     db: Path | None = None
     fresh_db: bool = False  # the database did not exist before this server started
@@ -136,7 +132,6 @@ def start_embedded_api(home: str) -> None:
             start_new_session=True, preexec_fn=die_with_parent_preexec())
     _EmbeddedAPI.url, _EmbeddedAPI.db, _EmbeddedAPI.fresh_db = f"http://127.0.0.1:{port}/api", db, fresh
     os.environ["PREFECT_API_URL"] = _EmbeddedAPI.url
-    os.environ[EMBEDDED_ENV] = "1"
     atexit.register(stop_embedded_api)
 
 
@@ -145,7 +140,7 @@ def wait_for_embedded_api() -> None:
     not answer within ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` raises
     RuntimeError naming its log."""
     proc = _EmbeddedAPI.process
-    if proc is None or getattr(_EmbeddedAPI, "ready", False):
+    if proc is None or _EmbeddedAPI.ready:
         return
     import httpx
 
