@@ -16,8 +16,21 @@ peak resident set.
 A second measurement isolates sampling: the same ``generate`` call with and
 without the KV cache, in this process.
 
+Side by side with TRL (``--with-peer`` creates its venv on first use, see
+``benchmarks/peers.py``): right after our run of each preset, TRL's ``PPOTrainer``
+(``benchmarks/peer_trl_ppo.py``, run with the python of TRL's own venv) trains the same
+base and reward-model folders from disk on the same prompt token ids, with the same
+prompts per rollout, epochs, minibatches (``batch / minibatch`` of them, one optimizer
+step each), response length, sampling temperature, learning rate, KL and value
+coefficients and number of rollouts; the script's docstring lists what TRL does
+differently. Printed per preset: episodes (answers) per second over the PPO loop, peak
+resident set of the training process, and the whole command's wall time (model loading
+and the final save included) of both, and the ratios ours / TRL.
+
     python benchmarks/bench_ppo.py [--out DIR] [--presets tiny,cpu-small] [--rollouts 8]
-        [--batch 16] [--new-tokens 32] [--epochs 4] [--minibatch 8]
+        [--batch 16] [--new-tokens 32] [--epochs 4] [--minibatch 8] [--vocab 2048] [--with-peer]
+    python benchmarks/bench_ppo.py --presets cpu-small --vocab 6144 --batch 8 --minibatch 4 \
+        --epochs 4 --new-tokens 24 --rollouts 20 --with-peer   # the paired TRL run (1.6M-parameter policy)
 
 Prints one JSON document and writes it to OUT/bench_ppo.json.
 """
@@ -29,12 +42,20 @@ import json
 import os
 import platform
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/peers.py
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# TRL's venv: 1.12.0 is the last TRL release with a PPOTrainer (trl.experimental.ppo; 1.13
+# removed it); the model code, accelerate and torch are pinned to the project's own versions,
+# so the two sides differ in their PPO loops only.
+TRL_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0", "transformers==5.24.0", "accelerate==1.16.0", "datasets==4.8.5"]
+PEER_SCRIPT = Path(__file__).resolve().parent / "peer_trl_ppo.py"
 
 
 def make_models(root: Path, preset: str, vocab: int, seq_len: int) -> tuple[Path, Path]:
@@ -95,6 +116,43 @@ def sampling_with_and_without_cache(base: Path, batch: int, new_tokens: int) -> 
     return out
 
 
+def trl_ppo(out: Path, base: Path, rm: Path, prompts: Path, args, with_peer: bool) -> dict:
+    """TRL's PPO on our models and prompt token ids, in its own venv; the whole command timed here."""
+    from transformers import AutoTokenizer
+
+    from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts
+    from crawl2chat.stages.training.settings import PPOConfig
+
+    from peers import peer_python
+
+    python = peer_python("trl", TRL_REQUIREMENTS, with_peer)
+    cfg = PPOConfig()
+    tok = AutoTokenizer.from_pretrained(base)
+    msgs, _ = load_prompts(prompts)
+    work = out / "trl"
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    spec = {"policy": str(base), "reward": str(rm), "out": str(work / "run"), "seed": cfg.seed,
+            "prompts": [encode_prompt(tok, m, cfg.max_prompt_len) for m in msgs],
+            "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+            "stop_token_id": end_of_turn_id(tok), "batch": args.batch, "minibatches": args.batch // args.minibatch,
+            "epochs": args.epochs, "new_tokens": args.new_tokens, "rollouts": args.rollouts, "lr": 1e-5,
+            "temperature": cfg.temperature, "kl_coef": cfg.kl_coef, "vf_coef": cfg.vf_coef}
+    (work / "spec.json").write_text(json.dumps(spec))
+    t0 = time.perf_counter()
+    proc = subprocess.run([str(python), str(PEER_SCRIPT), str(work / "spec.json"), str(work / "result.json")],
+                          cwd=work, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise RuntimeError(f"TRL's PPO failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    res = json.loads((work / "result.json").read_text())
+    res["wall_seconds_incl_launch"] = wall
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="/tmp/bench_ppo")
@@ -105,7 +163,11 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--minibatch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--with-peer", action="store_true", help="run TRL's PPOTrainer after ours on the same models and "
+                                                             "prompts (its venv is made on first use)")
     args = p.parse_args()
+    if args.with_peer and args.batch % args.minibatch:
+        p.error("--with-peer needs --batch to be a multiple of --minibatch (TRL's minibatches are equal)")
 
     from crawl2chat.tasks.train import launch_training
 
@@ -135,13 +197,28 @@ def main() -> None:
         per_rollout = m["wall_seconds"] / m["steps"]
         results["runs"][preset] = {
             "rollouts_per_second": m["rollouts_per_second"], "seconds_per_rollout": per_rollout,
+            "episodes_per_second": m["rollouts_per_second"] * args.batch * m["world_size"],
             "optimizer_steps_per_second": m["optimizer_steps_per_second"],
             "generated_tokens_per_second": args.batch * m["response_length_last"] / (m["time_generate"] / m["steps"]),
             "time_share": {k: round(m[f"time_share_{k}"], 3) for k in ("generate", "score", "train")},
             "peak_memory_mb": m["peak_memory_mb"], "launch_wall_seconds": launch_wall,
-            "sampling": sampling_with_and_without_cache(base, args.batch, args.new_tokens),
         }
         print(preset, json.dumps(results["runs"][preset]), flush=True)
+        if args.with_peer:
+            peer = trl_ppo(out / preset, base, rm, prompts, args, args.with_peer)
+            ours = results["runs"][preset]
+            results.setdefault("trl", {})[preset] = peer
+            vs = {"episodes_per_second": ours["episodes_per_second"] / peer["episodes_per_second"],
+                  "peak_memory": ours["peak_memory_mb"] / peer["peak_memory_mb"],
+                  "wall": ours["launch_wall_seconds"] / peer["wall_seconds_incl_launch"]}
+            results.setdefault("vs_trl", {})[preset] = vs
+            print(f"{preset} vs TRL {peer['library']['trl']}, same models, prompts and shape: episodes/s "
+                  f"{ours['episodes_per_second']:.2f} vs {peer['episodes_per_second']:.2f} "
+                  f"(x{vs['episodes_per_second']:.2f}); peak memory {ours['peak_memory_mb']:.0f} vs "
+                  f"{peer['peak_memory_mb']:.0f} MiB (x{vs['peak_memory']:.2f}); whole command wall "
+                  f"{ours['launch_wall_seconds']:.1f} vs {peer['wall_seconds_incl_launch']:.1f} s (x{vs['wall']:.2f})",
+                  flush=True)
+        results["runs"][preset]["sampling"] = sampling_with_and_without_cache(base, args.batch, args.new_tokens)
     text = json.dumps(results, indent=2)
     (out / "bench_ppo.json").write_text(text + "\n")
     print(text)

@@ -187,8 +187,12 @@ def _copy_template(db: Path) -> None:
     tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
     try:
         shutil.copyfile(template, tmp)
-        os.replace(tmp, db)
+        # A link, not a rename: a command that started in the same new folder a moment
+        # earlier may already have its database open, and it must not be replaced.
+        os.link(tmp, db)
     except OSError:
+        pass
+    finally:
         tmp.unlink(missing_ok=True)
 
 
@@ -203,8 +207,15 @@ def _save_template(db: Path | None) -> None:
     tmp = template.with_name(f".{template.name}.tmp-{os.getpid()}")
     try:
         template.parent.mkdir(parents=True, exist_ok=True)
-        with sqlite3.connect(db) as source, sqlite3.connect(tmp) as target:
+        source, target = sqlite3.connect(db), sqlite3.connect(tmp)
+        try:
             source.backup(target)
+            # One self-contained file: the copy would otherwise keep the server's WAL mode,
+            # and pages still in a -wal file beside it would not travel with it.
+            target.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            source.close()
+            target.close()
         os.replace(tmp, template)
     except (OSError, sqlite3.Error):
         tmp.unlink(missing_ok=True)
