@@ -34,8 +34,11 @@ OWNER = textwrap.dedent("""
 
 
 def start_owner(tag: str) -> subprocess.Popen:
+    # Ctrl-C as in a terminal: a suite started in the background (``cmd &``) hands its
+    # children an ignored SIGINT, which Python keeps ignored.
     owner = subprocess.Popen([sys.executable, "-c", OWNER, LAUNCHER, RANK, tag], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert owner.stdout.readline().strip() == "launched"
     deadline = time.monotonic() + 60
     while len(run_processes(tag)) < 3 and time.monotonic() < deadline:  # owner, launcher, rank
