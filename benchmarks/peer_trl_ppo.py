@@ -33,7 +33,8 @@ Differences that TRL's ``PPOTrainer`` does not let a caller remove:
 
 Figures written to RESULT (JSON): ``episodes_per_second`` (answers per second over
 ``trainer.train()``, the PPO loop: rollouts, scoring and updates), ``loop_seconds``,
-``setup_seconds`` (imports, model loading and trainer construction),
+``loop_cpu_seconds`` (user + system CPU time of that loop), ``setup_seconds``
+(imports, model loading and trainer construction),
 ``peak_memory_mb`` (this process's peak resident set, ``getrusage``, MiB: the same
 measure as ours on CPU), the last logged TRL metrics, and the library versions.
 The caller times the whole command (start to exit, the final policy save included).
@@ -51,6 +52,11 @@ from pathlib import Path
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -108,9 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                          value_model=value, train_dataset=prompts, eval_dataset=None, callbacks=[KeepLogs()])
     setup = time.perf_counter() - t_start
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     trainer.train()
-    loop = time.perf_counter() - t0
+    loop, loop_cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     trainer.save_model(str(out / "model"))  # the policy, as ours saves its actor
     episodes = args.num_total_batches * args.batch_size
     last = kept[-1] if kept else {}
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rollouts": args.num_total_batches, "episodes": episodes, "optimizer_steps_per_rollout":
             args.num_ppo_epochs * args.num_mini_batches * args.gradient_accumulation_steps,
         "episodes_per_second": episodes / loop, "rollouts_per_second": args.num_total_batches / loop,
-        "loop_seconds": loop, "setup_seconds": setup, "peak_memory_mb": peak_rss_mb(),
+        "loop_seconds": loop, "loop_cpu_seconds": loop_cpu, "setup_seconds": setup, "peak_memory_mb": peak_rss_mb(),
         "torch_threads": torch.get_num_threads(), "last_log": last,
     }
     result_path.write_text(json.dumps(res, indent=2) + "\n")
