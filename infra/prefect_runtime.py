@@ -170,14 +170,10 @@ def wait_for_embedded_api() -> None:
 def stop_embedded_api() -> None:
     """Stop this command's temporary server (at exit)."""
     proc, _EmbeddedAPI.process = _EmbeddedAPI.process, None
-    if proc is None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    if proc is not None:
+        from crawl2chat.stages.lifetime import stop_process
+
+        stop_process(proc)
 
 
 def _copy_template(db: Path) -> None:

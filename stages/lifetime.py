@@ -119,6 +119,19 @@ def descendants(pid: int) -> list:
         return []
 
 
+def stop_process(proc, grace: float = 5.0) -> None:
+    """SIGTERM a ``subprocess.Popen`` child, SIGKILL it after ``grace`` seconds, and reap it."""
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def terminate_tree(pgid: int, procs: Iterable, grace: float = 10.0) -> None:
     """SIGTERM the process group ``pgid`` and the processes ``procs`` (a launcher's
     tree collected beforehand, which may have left the group), wait up to ``grace``

@@ -34,6 +34,7 @@ from types import TracebackType
 from urllib.parse import urlsplit
 
 from crawl2chat.stages.data.urls import site_key
+from crawl2chat.stages.lifetime import stop_process
 
 _READY_LINE = re.compile(r"Server ready at (http://\S+/)")
 # The readiness probe goes straight to 127.0.0.1, whatever proxy the environment names.
@@ -167,13 +168,7 @@ class PydocSite:
         process, self._process = self._process, None
         if process is None:
             return
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
         for stream in (process.stdin, process.stdout):
             if stream is not None:
                 try:
