@@ -275,8 +275,9 @@ def _figures(result: dict) -> list[str]:
     ev = base.get("eval") or {}
     lines = ["", "Figures (held-out pages and questions no stage trained on):",
              f"  base model   bits per byte {_fmt(ev.get('eval.lm.bpb', base.get('val_bpb')))} "
-             f"(unigram baseline {_fmt(base.get('unigram_bpb'))}); multiple choice "
-             f"{_fmt(ev.get('eval.mc.accuracy'))} (chance {_fmt(ev.get('eval.mc.chance'))})"]
+             f"(unigram baseline {_fmt(base.get('unigram_bpb'))}); multiple choice on held-out pages "
+             f"{_fmt(ev.get('eval.mc.acc_norm'))} per byte, {_fmt(ev.get('eval.mc.acc'))} summed "
+             f"(chance {_fmt(ev.get('eval.mc.chance'))}, {_fmt(ev.get('eval.mc.n'), '.0f')} tasks)"]
     sft_ev = result["sft"].get("eval") or {}
     lines.append(f"  SFT model    bits per byte {_fmt(sft_ev.get('eval.lm.bpb'))}; val_loss on held-out chats "
                  f"{_fmt(result['sft'].get('val_loss'))}")

@@ -188,11 +188,16 @@ def _figures(summary: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
-def log_evaluation(result: dict) -> dict[str, float]:
-    """Evaluation figures as ``eval.*`` metrics, generations as a table, the whole as JSON."""
-    flat = {f"eval.{section}.{key}": float(value)
+def evaluation_metrics(result: dict) -> dict[str, float]:
+    """An evaluation's finite figures under the metric names runs record: ``eval.<section>.<key>``."""
+    return {f"eval.{section}.{key}": float(value)
             for section in ("lm", "mc", "policy") for key, value in (result.get(section) or {}).items()
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+
+
+def log_evaluation(result: dict) -> dict[str, float]:
+    """Evaluation figures as ``eval.*`` metrics, generations as a table, the whole as JSON."""
+    flat = evaluation_metrics(result)
     mlflow.log_metrics(flat)
     if result.get("split"):  # which documents were evaluated: the model's held-out split, or "all"
         mlflow.set_tag("crawl2chat.eval_split", result["split"])

@@ -179,6 +179,15 @@ def test_command_line_writes_json(models, tmp_path):
     res = json.loads(out.read_text())
     assert res["lm"]["bpb"] > 0 and res["mc"]["n"] == 8
     assert [g["prompt"] for g in res["generations"]] == ev.DEFAULT_PROMPTS
+    # The closing summary of `crawl2chat run` reads these figures under the names runs record them.
+    from crawl2chat.cli import _figures
+    from crawl2chat.tasks.train import evaluation_metrics
+
+    chain = {"pretrain": {"eval": evaluation_metrics(res), "unigram_bpb": 3.0}, "sft": {}, "reward": {}, "ppo": {}}
+    base_line = _figures(chain)[2]
+    assert f"bits per byte {res['lm']['bpb']:.3f}" in base_line
+    assert f"{res['mc']['acc_norm']:.3f} per byte, {res['mc']['acc']:.3f} summed" in base_line
+    assert f"chance {res['mc']['chance']:.3f}, 8 tasks" in base_line
 
 
 def test_repetition_penalty_breaks_a_greedy_loop(models):

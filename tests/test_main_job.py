@@ -75,6 +75,9 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert model_dir_tag == str(model_dir.resolve())
     # Each training stage ends with its evaluation, recorded in its own run.
     assert pre.data.metrics["eval.lm.bpb"] > 0
+    # ... including multiple-choice tasks cut from held-out pages, shown in the closing figures.
+    assert pre.data.metrics["eval.mc.n"] > 0 and 0 < pre.data.metrics["eval.mc.chance"] < 1
+    assert "multiple choice on held-out pages n/a" not in out and "tasks)" in out
     # The base model beats a unigram model of its training tokens on held-out pages.
     assert pre.data.metrics["val_bpb"] < pre.data.metrics["unigram_bpb"]
     assert "eval.policy.win_rate" in children["ppo"].data.metrics
