@@ -78,6 +78,8 @@ def _print_step(result: StepResult) -> None:
     state = "skipped (already done)" if result.skipped else f"{result.seconds:.1f}s"
     template = sum(f.get("template_lines", 0) for f in result.extra.get("files", []))
     extra = f"  ({template} site template lines removed)" if template else ""
+    if repaired := result.extra.get("repaired"):
+        extra += f"  ({repaired['documents']} kept without {repaired['lines']} repeated lines)"
     print(f"[data] {result.name:<8} {result.rows_in:>7} in  {result.kept:>7} kept  {drops:>6} dropped  {state}{extra}",
           flush=True)
 

@@ -379,3 +379,33 @@ def test_real_common_crawl_pages(shared_data):
     # C4 strips navigation lines from kept pages, so their score drops below 1.
     assert not any(line == "CPDLab Home" for d in kept for line in d["text"].split("\n"))
     assert any(d["quality_score"] < 0.9 for d in kept)
+
+
+def test_reference_page_kept_without_its_repeated_member_runs():
+    """A real reference page (pydoc's text for ``builtins``: every exception class repeats
+    the members it inherits) fails the repetition rules as published; with
+    ``repair_runs`` it is kept without the copies, and no distinct line is lost."""
+    import builtins
+    import pydoc
+
+    from crawl2chat.stages.data.quality import GopherRepetitionFilter, remove_repeated_runs
+    from crawl2chat.stages.data.settings import GopherRepetitionConfig
+    from crawl2chat.stages.settings import DOCS_PROFILE
+
+    page = pydoc.render_doc(builtins, renderer=pydoc.plaintext)
+    docs_rules = {k.rsplit(".", 1)[1]: v for k, v in DOCS_PROFILE.items() if k.startswith("quality.gopher_repetition.")}
+    assert docs_rules["repair_runs"] == 3
+    dropping = GopherRepetitionFilter(GopherRepetitionConfig(**{**docs_rules, "repair_runs": None}))
+    doc = {"id": "b", "text": page, "lang": "en"}
+    assert dropping.process(dict(doc)) is not None  # as published: dropped whole
+
+    repairing = GopherRepetitionFilter(GopherRepetitionConfig(**docs_rules))
+    kept = dict(doc)
+    assert repairing.process(kept) is None
+    assert kept["repeated_lines"] > 1000 and len(kept["text"]) < len(page) / 2
+    assert {line.strip() for line in kept["text"].splitlines()} == {line.strip() for line in page.splitlines()}
+    assert repairing.stats["repaired"] == 1
+    # A page with nothing repeated is judged as it is; a run overlapping itself is no copy.
+    assert remove_repeated_runs("a\nb\nc\nd", 3) == ("a\nb\nc\nd", 0)
+    assert remove_repeated_runs("x\nx\nx\nx", 3) == ("x\nx\nx\nx", 0)
+    assert remove_repeated_runs("a\nb\nc\nz\na\nb\nc", 3) == ("a\nb\nc\nz", 3)

@@ -51,9 +51,10 @@ class PydocSite:
     """
 
     # Pages of the embedded crawl that are slow to build and poor training text: the
-    # standard library's own test suite, IDLE and turtle demos, lib2to3's fixers,
+    # standard library's test suites (``test``, ``ctypes.test``, ``distutils.tests``, ...),
+    # turtle demos, lib2to3's fixers,
     # one page per codec, pydoc's data tables and source listings.
-    LOW_VALUE_PAGES = (r"/test(\.|/|$)", r"/idlelib", r"/turtledemo", r"/lib2to3", r"/encodings\.",
+    LOW_VALUE_PAGES = (r"[/.]tests?(\.|/|$)", r"/turtledemo", r"/lib2to3", r"/encodings\.",
                        r"/pydoc_data", r"/ensurepip", r"getfile\?")
 
     IDENTITY_FILE = "local_site.json"

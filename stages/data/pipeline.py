@@ -400,6 +400,11 @@ def quality_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCoun
     result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS, identity,
                         on_count=on_count)
     result.extra.update(classifier_info)
+    files = sorted(Path(result.out_dir).glob("*.parquet"))
+    repeated = pq.read_table(files, columns=["repeated_lines"])["repeated_lines"] if files else pa.array([], pa.int32())
+    if pc.count(repeated).as_py():
+        # Pages kept once their repeated line runs were removed (gopher_repetition.repair_runs).
+        result.extra["repaired"] = {"documents": pc.count(repeated).as_py(), "lines": pc.sum(repeated).as_py()}
     return result
 
 

@@ -71,6 +71,32 @@ def find_duplicates(items: list[str]) -> tuple[int, int]:
     return dup_items, dup_chars
 
 
+def remove_repeated_runs(text: str, run_lines: int) -> tuple[str, int]:
+    """``text`` without the second and later copies of any run of ``run_lines``
+    consecutive lines (compared without surrounding blanks); returns the text and
+    the number of lines removed.
+
+    Written here because the published filters only judge repetition (Gopher) or
+    deduplicate across documents (C4's three-sentence spans, exact-substring
+    suffix arrays): none repairs a single page. Reference pages need it: every
+    class section repeats the members it inherits, so a page such as ``builtins``
+    is mostly copies of one block and the repetition rules drop it whole.
+    """
+    lines = text.split("\n")
+    keys = [line.strip() for line in lines]
+    keep = [True] * len(lines)
+    first_seen: dict[tuple[str, ...], int] = {}
+    for i in range(len(lines) - run_lines + 1):
+        run = tuple(keys[i:i + run_lines])
+        if not any(run):
+            continue
+        start = first_seen.setdefault(run, i)
+        if start + run_lines <= i:  # a copy that does not overlap the first occurrence
+            keep[i:i + run_lines] = [False] * run_lines
+    removed = keep.count(False)
+    return ("\n".join(line for line, k in zip(lines, keep) if k), removed) if removed else (text, 0)
+
+
 def repetition_units(text: str, lang: str | None, chars_per_word: int) -> tuple[Sequence[str], int]:
     """The units n-gram rules count and how many of them make one "word".
 
@@ -245,13 +271,33 @@ class GopherQualityFilter(HeuristicFilter):
 
 
 class GopherRepetitionFilter(HeuristicFilter):
-    """Gopher repetition rules: repeated lines/paragraphs and repeated n-grams."""
+    """Gopher repetition rules: repeated lines/paragraphs and repeated n-grams.
+
+    With ``repair_runs`` set, a page that fails them is judged once more without
+    its repeated line runs (:func:`remove_repeated_runs`) and kept in that form
+    when it then passes; ``repeated_lines`` records the lines removed.
+    """
 
     name = "gopher_repetition"
 
     def __init__(self, cfg: GopherRepetitionConfig | None = None):
         super().__init__()
         self.cfg = cfg or GopherRepetitionConfig()
+
+    def process(self, doc: Document) -> str | None:
+        before = dict(doc)
+        rule = super().process(doc)
+        if not rule or not self.cfg.repair_runs or not isinstance(doc.get("text"), str):
+            return rule
+        text, removed = remove_repeated_runs(doc["text"], self.cfg.repair_runs)
+        if not removed:
+            return rule
+        repaired = {**before, "text": text, "repeated_lines": removed}
+        if super().process(repaired):
+            return rule
+        doc.update(repaired)
+        self.stats["repaired"] += 1
+        return None
 
     def check(self, doc: Document, checks: _Checks) -> str | None:
         cfg, text = self.cfg, doc["text"]

@@ -34,6 +34,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "lang": pa.string(),
     "lang_score": pa.float64(),
     "quality_score": pa.float64(),
+    "repeated_lines": pa.int32(),
     "dup_cluster": pa.string(),
 }
 
@@ -43,7 +44,7 @@ EXTRACT_COLUMNS = (
     "template_lines",
 )
 LANGID_COLUMNS = EXTRACT_COLUMNS + ("lang", "lang_score")
-QUALITY_COLUMNS = LANGID_COLUMNS + ("quality_score",)
+QUALITY_COLUMNS = LANGID_COLUMNS + ("quality_score", "repeated_lines")
 DEDUP_COLUMNS = QUALITY_COLUMNS + ("dup_cluster",)
 
 

@@ -386,6 +386,14 @@ class GopherRepetitionConfig(BaseModel):
         description="On unspaced scripts (where every character is a word) n-gram rules use "
         "n * this many characters, about n real words.",
     )
+    repair_runs: int | None = Field(
+        None,
+        ge=1,
+        description="When a page fails these rules, remove the second and later copies of every run of this "
+        "many consecutive lines and judge it again: kept without them if it then passes (its "
+        "`repeated_lines` column counts the lines removed), else dropped for the first rule it failed. "
+        "For reference pages that repeat inherited members in every class section; null drops them.",
+    )
 
 
 class C4Config(BaseModel):
