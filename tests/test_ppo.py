@@ -285,3 +285,20 @@ def test_non_finite_weights_roll_back_past_the_batch_and_survive_a_restart(model
     with pytest.raises(TrainingDiverged, match="after 1 rollbacks in a row"):
         ppo.run(cfg(inject_nan_at_batches=[1, 2, 3, 4, 5, 6], rollback={"max_rollbacks": 1}), str(models["sft"]),
                 str(models["rm"]), str(models["prompts"]), tmp_path / "diverged")
+
+
+def test_one_plain_process_unwraps_without_loading_deepspeed():
+    """In one fp32 process the prepared model is the model: unwrapping it (every PPO
+    rollout does) imports neither DeepSpeed nor torch._dynamo."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from crawl2chat.stages.training.trainer import JsonStateAccelerator\n"
+            "acc = JsonStateAccelerator(cpu=True)\n"
+            "model = acc.prepare(torch.nn.Linear(2, 2))\n"
+            "assert acc.unwrap_model(model) is model\n"
+            "print(sorted(m for m in ('deepspeed', 'torch._dynamo') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -387,6 +387,18 @@ class JsonStateAccelerator(Accelerator):
         """Whether each rank holds a different part of the model (tensor or pipeline parallel)."""
         return self.tp_mesh is not None or self.pp_mesh is not None
 
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        # In one plain fp32 process ``prepare`` hands the module back as it was, so there
+        # is nothing to unwrap. Accelerate's unwrap would import DeepSpeed and
+        # torch._dynamo on first use to recognise wrappers such a process never has:
+        # ~2 s and the memory of both, paid inside a PPO run's first rollout.
+        from accelerate.utils import DistributedType
+
+        plain = self.distributed_type == DistributedType.NO and self.mixed_precision == "no"
+        if plain and not hasattr(model, "_orig_mod") and self.tp_mesh is None and self.pp_mesh is None:
+            return model
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         registered, self._custom_objects = self._custom_objects, []
         # Tensor or pipeline parallel: Accelerate would write the main process's part only;
