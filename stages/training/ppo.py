@@ -71,9 +71,9 @@ from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, 
 from crawl2chat.stages.training.models import enable_grad_checkpointing, is_checkpointing
 from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
 from crawl2chat.stages.training.trainer import (MetricsWriter, TrainingDiverged, apply_lr_scale, build_optimizer,
-                                               build_scheduler, discard_checkpoints, good_checkpoints, make_accelerator,
-                                               peak_memory_mb, read_rollback_record, rollback_plan, save_checkpoint,
-                                               write_rollback_record)
+                                               build_scheduler, can_fuse, discard_checkpoints, good_checkpoints,
+                                               make_accelerator, peak_memory_mb, read_rollback_record, rollback_plan,
+                                               save_checkpoint, write_rollback_record)
 from crawl2chat.stages.training.settings import PPOConfig
 
 # ---------------------------------------------------------------- loss pieces
@@ -252,7 +252,7 @@ class PPORunner:
         self.rm = load_reward_model(reward, self.pad_id).to(acc.device).eval().requires_grad_(False)
         ac = ActorCritic(actor, critic)
         per_rollout = cfg.ppo_epochs * max(1, -(-cfg.rollout_batch_size // (cfg.micro_batch_size * cfg.grad_accum)))
-        optimizer = build_optimizer(ac, cfg)
+        optimizer = build_optimizer(ac, cfg, fused=can_fuse(acc, ac))
         self.model, self.optimizer = acc.prepare(ac, optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.model_copy(update={"max_steps": cfg.max_steps * per_rollout}))
         self.kl = KLController(cfg.kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
