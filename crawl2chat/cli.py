@@ -285,6 +285,11 @@ def _figures(result: dict) -> list[str]:
     pev = ppo.get("eval") or {}
     lines.append(f"  PPO policy   reward {_fmt(ppo.get('reward_mean_first'))} -> {_fmt(ppo.get('reward_mean_last'))}; "
                  f"win rate vs SFT {_fmt(pev.get('eval.policy.win_rate'))} (ties count half)")
+    if questions := result.get("questions"):
+        first = next(iter(questions.values()))
+        picks = ", ".join(f"{name} {_fmt(q.get('acc_norm'))}" for name, q in questions.items())
+        lines.append(f"  questions    the page's answer picked among {round(1 / first['chance'])} (per byte): {picks} "
+                     f"(chance {_fmt(first['chance'])}, {first.get('n', 0)} questions on pages no set used)")
     return lines
 
 

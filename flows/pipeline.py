@@ -23,7 +23,7 @@ from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.stages.settings import Config, SettingsError
 from crawl2chat.stages.training.registry import STAGES, TrainingStage
 from crawl2chat.tasks.data import data_lineage
-from crawl2chat.tasks.train import demo_sets_task, showcase_task, training_task
+from crawl2chat.tasks.train import demo_sets_task, questions_task, showcase_task, training_task
 
 
 def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str, str],
@@ -82,9 +82,11 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     policy = train(config, "ppo", {"policy": sft["model_dir"], "reward": rm["model_dir"], "prompts": prompts},
                    model_input_tags(sft=sft, reward=rm), eval_data=shards)
     result = {"sft": sft, "reward": rm, "ppo": policy}
+    chain = {"base": base["model_dir"], "sft": sft["model_dir"], "ppo": policy["model_dir"]}
+    if demo.get("questions"):
+        result["questions"] = questions_task(chain, demo["questions"])
     if demo.get("showcase"):
-        result["showcase"] = showcase_task({"base": base["model_dir"], "sft": sft["model_dir"],
-                                            "ppo": policy["model_dir"]}, demo["showcase"])
+        result["showcase"] = showcase_task(chain, demo["showcase"])
     if config.dpo.enabled:
         result["dpo"] = train(config, "dpo", {"policy": sft["model_dir"], "data": config.dpo.data or pref_data},
                               model_input_tags(sft=sft), eval_data=shards)

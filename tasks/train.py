@@ -404,6 +404,21 @@ def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int, base_mod
     return paths
 
 
+@task(name="questions", retries=0, cache_policy=NO_CACHE)
+def questions_task(models: dict[str, str], questions_file: str) -> dict[str, dict]:
+    """Each model on held-out reference questions as multiple choice (the page's own
+    answer among other pages' answers; :func:`question_accuracy`): whether the chain's
+    stages make the right answer more likely, in one figure per model."""
+    from crawl2chat.stages.inference.evaluate import question_accuracy
+
+    rows = [json.loads(line) for line in Path(questions_file).read_text().splitlines() if line.strip()]
+    result = {name: question_accuracy(model_dir, rows) for name, model_dir in models.items()}
+    with stage_run("questions", {"models": models, "questions": questions_file}):
+        mlflow.log_metrics({f"{name}.{key}": float(value) for name, figures in result.items()
+                            for key, value in figures.items()})
+    return result
+
+
 @task(name="showcase", retries=0, cache_policy=NO_CACHE)
 def showcase_task(models: dict[str, str], questions_file: str, max_new_tokens: int = 40,
                   repetition_penalty: float = 1.2) -> list[dict]:

@@ -144,6 +144,11 @@ def test_showcase_asks_reference_questions_about_pages_no_set_used(tmp_path):
     assert len(rows) == 3 and len({r["source_id"] for r in rows}) == 3
     assert all(r["prompt"].endswith("module for?") and r["source_id"] not in used for r in rows)
     assert all(r["reference"].startswith("Tools number") for r in rows)
+    # The questions every model is scored on: reference questions about unused pages, two a page at most.
+    questions = [json.loads(line) for line in Path(paths["questions"]).read_text().splitlines()]
+    pages = [q["source_id"] for q in questions]
+    assert questions and all(q["source_id"] not in used for q in questions)
+    assert max(pages.count(p) for p in pages) <= 2 and all(q["prompt"].startswith("What ") for q in questions)
 
 
 def test_showcase_passes_over_test_modules(tmp_path):

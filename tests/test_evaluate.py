@@ -203,3 +203,19 @@ def test_repetition_penalty_breaks_a_greedy_loop(models):
     assert repeats(penalised) < repeats(plain)
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=0.5).validate()
+
+
+def test_reference_questions_as_multiple_choice(models):
+    """Each question's own answer among answers to other questions of its kind: a model
+    that knows which answer follows which question picks it; the draw is fixed by the seed."""
+    rows = []
+    for i, word in enumerate(CYCLE):  # "what follows X" answered by the cycle after X
+        walk = " ".join(CYCLE[(i + 1 + k) % len(CYCLE)] for k in range(6))
+        rows.append({"prompt": f"What is the {word} module for?", "reference": walk})
+    rows.append({"prompt": "What does amber.grow() do?", "reference": "birch cedar"})  # too few of its kind
+    trained = ev.question_accuracy(models["trained"], rows)
+    again = ev.question_accuracy(models["trained"], rows)
+    rand = ev.question_accuracy(models["random"], rows)
+    assert trained == again and trained["n"] == len(CYCLE) and trained["chance"] == 0.25
+    assert 0.0 <= rand["acc_norm"] <= 1.0 and rand["n"] == trained["n"]
+    assert ev.question_kind("What does x.f() do?") == "function" and ev.question_kind("Continue: a") == "other"

@@ -67,7 +67,7 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     children = {r.data.tags.get("crawl2chat.stage"): r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
     assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain",
-            "demo-sets", "sft", "reward", "ppo"} <= set(children)
+            "demo-sets", "sft", "reward", "ppo", "questions"} <= set(children)
     pre = children["pretrain"]
     assert pre.data.tags["crawl2chat.data_digest"].startswith("sha256:")
     assert pre.data.tags["crawl2chat.input.data"] == children["write"].info.run_id
@@ -78,6 +78,8 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     # ... including multiple-choice tasks cut from held-out pages, shown in the closing figures.
     assert pre.data.metrics["eval.mc.n"] > 0 and 0 < pre.data.metrics["eval.mc.chance"] < 1
     assert "multiple choice on held-out pages n/a" not in out and "tasks)" in out
+    # Every model of the chain answers reference questions about pages no set used, as multiple choice.
+    assert "the page's answer picked among 4 (per byte): base " in out and "questions on pages no set used" in out
     # The base model beats a unigram model of its training tokens on held-out pages.
     assert pre.data.metrics["val_bpb"] < pre.data.metrics["unigram_bpb"]
     assert "eval.policy.win_rate" in children["ppo"].data.metrics

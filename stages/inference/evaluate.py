@@ -13,6 +13,9 @@
   is the context, its true continuation and continuations taken from other
   passages are the choices, and the model picks the choice with the highest
   log-likelihood (``acc``) or per-byte log-likelihood (``acc_norm``).
+* :func:`question_accuracy` — questions a reference page answers (what a module is
+  for, what a function does) as multiple choice: the page's own answer among
+  answers to other questions, scored in the model's chat format.
 * :func:`sample_generations` — a fixed set of prompts and each model's
   completions, logged as a table by the flows.
 * :func:`reward_accuracy` — a reward model's held-out pairwise accuracy.
@@ -225,6 +228,60 @@ def multiple_choice_accuracy(model_dir, tasks: Sequence[dict], quantize: str | N
     n = len(tasks)
     return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n,
             "chance": sum(1 / len(t["choices"]) for t in tasks) / n}
+
+
+def question_kind(question: str) -> str:
+    """``module`` for "What is the X module for?", ``function`` for "What does X.f() do?",
+    else ``other``: distractors are drawn from answers of the same kind."""
+    if question.endswith(" module for?"):
+        return "module"
+    return "function" if question.startswith("What does ") else "other"
+
+
+@torch.inference_mode()
+def question_accuracy(model_dir, rows: Sequence[dict], n_choices: int = 4, seed: int = 0) -> dict:
+    """Reference questions as multiple choice: each row's ``reference`` (the page's own
+    answer to its ``prompt``) among ``n_choices - 1`` answers to other questions of the
+    same kind, each scored as the assistant's answer to the question in the model's chat
+    format, end-of-turn marker included. ``acc`` picks by summed log-likelihood,
+    ``acc_norm`` by log-likelihood per UTF-8 byte of the answer; ``chance`` is 1/n_choices.
+    Rows with too few distinct answers of their kind to draw from are left out."""
+    from crawl2chat.stages.training.chat_data import encode_prompt, encode_response, end_of_turn_id
+
+    model, tok = _model(model_dir)
+    eot = end_of_turn_id(tok)
+    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rng = random.Random(seed)
+    correct = correct_norm = n = 0
+    for i, row in enumerate(rows):
+        kind = question_kind(row["prompt"])
+        pool = list(dict.fromkeys(r["reference"] for j, r in enumerate(rows) if j != i
+                                  and question_kind(r["prompt"]) == kind and r["reference"] != row["reference"]))
+        if len(pool) < n_choices - 1:
+            continue
+        choices = rng.sample(pool, n_choices - 1)
+        label = rng.randrange(n_choices)
+        choices.insert(label, row["reference"])
+        messages = [{"role": "user", "content": row["prompt"]}]
+        prompt = encode_prompt(tok, messages)
+        answers = [encode_response(tok, messages, c, eot) for c in choices]
+        seqs = [(prompt + a)[:limit] for a in answers]
+        width = max(len(x) for x in seqs)
+        ids = torch.tensor([x + [pad] * (width - len(x)) for x in seqs])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
+        lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(), -1)
+        scores = []
+        for k, x in enumerate(seqs):
+            targets = range(len(prompt), len(x))  # the answer's tokens, each predicted from the one before
+            scores.append(sum(float(lp[k, t - 1, x[t]]) for t in targets))
+        norm = [v / max(1, len(c.encode("utf-8"))) for v, c in zip(scores, choices)]
+        correct += int(max(range(n_choices), key=scores.__getitem__) == label)
+        correct_norm += int(max(range(n_choices), key=norm.__getitem__) == label)
+        n += 1
+    if not n:
+        return {"n": 0, "chance": 1 / n_choices}
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "n": n, "chance": 1 / n_choices}
 
 
 # ---------------------------------------------------------------- generations

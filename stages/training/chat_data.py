@@ -475,7 +475,7 @@ def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple
 
 def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, n: int = 200,
                      seed: int = 0, max_chars: int = 400, split=None, by_weight: bool = True,
-                     scan: int | None = None) -> dict[str, str]:
+                     scan: int | None = None, questions_n: int = 100) -> dict[str, str]:
     """Small SFT, preference and prompt sets derived from the corpus (``text``
     column of the Parquet shards), deterministic for a given corpus and seed.
 
@@ -497,7 +497,9 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     crawl). Without weights the draw is uniform.
 
     Writes ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` (each row with
-    the ``source_id`` of its page) and ``demo_sets.json`` (the split used, and per
+    the ``source_id`` of its page), ``showcase.jsonl`` and ``questions.jsonl``
+    (reference questions about pages the base model read and no set used: three
+    to show, up to ``questions_n`` to score) and ``demo_sets.json`` (the split used, and per
     group ``share.<g>.target`` / ``share.<g>.realised`` of the SFT examples) under
     ``out_dir`` and returns their paths (``summary`` for the last)."""
     from crawl2chat.stages.training.heldout import training_rows
@@ -584,6 +586,18 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     with open(paths["showcase"], "w", encoding="utf-8") as f:
         for p, r, i in showcase:
             f.write(json.dumps({"prompt": p, "reference": r, "source_id": i}) + "\n")
+    # A larger set of such questions (at most two a page) to score every model on,
+    # as multiple choice among other pages' answers (evaluate.question_accuracy).
+    questions, per_page = [], Counter()
+    for p, r, i in unused:
+        if kind(p) < 2 and per_page[i] < 2 and len(questions) < questions_n:
+            questions.append((p, r, i))
+            per_page[i] += 1
+    if questions:
+        paths["questions"] = out / "questions.jsonl"
+        with open(paths["questions"], "w", encoding="utf-8") as f:
+            for p, r, i in questions:
+                f.write(json.dumps({"prompt": p, "reference": r, "source_id": i}) + "\n")
     chosen_groups = Counter(groups[i] for i in order[:n])
     summary: dict[str, Any] = {"split": split.name if split is not None else "none (no base model split given)",
                                "by_weight": by_weight, "candidates": len(examples)}
