@@ -120,6 +120,10 @@ def start_embedded_api(home: str) -> None:
     port = _free_port()
     env = dict(os.environ, PREFECT_HOME=str(prefect_home), PREFECT_UI_ENABLED="0",
                PREFECT__SERVER_EPHEMERAL="1", PREFECT__SERVER_FINAL="1")
+    # On SQLite one writer waits for another; Prefect's 10 s answers "503 database is
+    # locked" while a busy machine (Ray, a training run) slows the server's own writes.
+    if not any(k in env for k in ("PREFECT_SERVER_DATABASE_TIMEOUT", "PREFECT_API_DATABASE_TIMEOUT")):
+        env["PREFECT_SERVER_DATABASE_TIMEOUT"] = "60"
     with open(log_path, "ab") as log:
         _EmbeddedAPI.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(_prefect_package_dir().parent),

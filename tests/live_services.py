@@ -90,6 +90,9 @@ def start_prefect_server(env: dict[str, str], logs: Path, cwd: Path | str | None
     """``prefect server start`` on a free port of 127.0.0.1; returns the process and its API URL."""
     port = free_port()
     log = logs / "prefect-server.log"
+    # SQLite: a write waits up to 60 s for another (Prefect's 10 s gives "503 database is
+    # locked" on a loaded 2-core machine), as the project's embedded server does.
+    env = {"PREFECT_SERVER_DATABASE_TIMEOUT": "60", **env}
     proc = start_service(prefect_command("server", "start", "--host", "127.0.0.1", "--port", str(port)),
                          env, log, cwd)
     api = f"http://127.0.0.1:{port}/api"
@@ -101,16 +104,22 @@ def start_prefect_server(env: dict[str, str], logs: Path, cwd: Path | str | None
     return proc, api
 
 
-def api_call(api: str, method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
-    """One JSON request to a REST API (the Prefect UI's calls); an HTTP error carries its body."""
+def api_call(api: str, method: str, path: str, body: Any = None, timeout: float = 30.0, retries: int = 5) -> Any:
+    """One JSON request to a REST API (the Prefect UI's calls); an HTTP error carries its body.
+    A 503 (the server's database busy) is retried after 1, 2, 4, ... s, as Prefect's own client does."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(api + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
-    try:
-        with _DIRECT.open(request, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        raise AssertionError(f"{method} {path}: {e.code} {e.read()[:2000]!r}") from None
+    for attempt in range(retries + 1):
+        try:
+            with _DIRECT.open(request, timeout=timeout) as r:
+                raw = r.read()
+            break
+        except urllib.error.HTTPError as e:
+            if e.code == 503 and attempt < retries:
+                time.sleep(2 ** attempt)
+                continue
+            raise AssertionError(f"{method} {path}: {e.code} {e.read()[:2000]!r}") from None
     return json.loads(raw) if raw else None
 
 
