@@ -89,7 +89,7 @@ def test_a_killed_training_process_is_retried_and_resumes(prefect_api, tmp_path)
     data = tmp_path / "corpus.txt"
     data.write_text(corpus(3))
     out = tmp_path / "retried"
-    settings = {**SETTINGS, "max_steps": 400, "checkpoint_every": 20, "eval_every": 400}
+    settings = {**SETTINGS, "max_steps": 150, "checkpoint_every": 10, "eval_every": 150}
     cfg = load_config(overrides={"home": str(tmp_path / "home"), "pretrain.out": str(out),
                                  **{f"pretrain.train.{k}": v for k, v in settings.items()}})
     result: dict = {}
@@ -102,7 +102,7 @@ def test_a_killed_training_process_is_retried_and_resumes(prefect_api, tmp_path)
         time.sleep(0.05)
     runner.join(600)
     assert killed, "the run finished before it could be killed; give it more steps"
-    assert result.get("steps") == 400
+    assert result.get("steps") == 150
     run_dir = Path(result["model_dir"]).parent
     events = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("type") == "event"]
     assert any(e["event"] == "resume" and e["step"] > 0 for e in events), events

@@ -588,10 +588,18 @@ def _deepspeed_cpu_backend() -> str | None:
     was launched for DeepSpeed on a machine where DeepSpeed runs on the CPU."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
         return None
+    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     ds = get_accelerator()
-    return ds.communication_backend_name() if ds.device_name() == "cpu" else None
+    if ds.device_name() != "cpu":
+        return None
+    # DeepSpeed compiles its shared-memory all-reduce when its communication starts (a
+    # C++ build, minutes on 2 cores at first use); only inference_all_reduce uses it,
+    # never training, so a training process does without (its compatibility table is
+    # the switch DeepSpeed itself reads).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return ds.communication_backend_name()
 
 
 class Trainer:
@@ -661,6 +669,11 @@ class Trainer:
             plugin.deepspeed_config.update(
                 train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=cfg.grad_accum,
                 train_batch_size=cfg.micro_batch_size * cfg.grad_accum * self.world, gradient_clipping=cfg.clip_norm)
+            if accelerator.device.type == "cpu":
+                # With no GPU the "offloaded" optimizer state is where it always was, in host
+                # memory: our AdamW steps it there as DeepSpeed's CPU Adam would, without
+                # building that C++ op at first use (minutes on 2 cores).
+                plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
             accelerator.gradient_accumulation_steps = cfg.grad_accum
         if self.mesh is not None:
             self.model = accelerator.prepare_model(model, evaluation_mode=True)
