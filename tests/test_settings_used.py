@@ -127,7 +127,7 @@ def test_ppo_script_hands_its_settings_to_the_shared_builders():
     """The loop fields PPO leaves to trainer.py reach it: the optimizer, the schedule and
     the accelerator (precision, seed) are built from PPO's own settings object."""
     src = _source("ppo")
-    for call in ("build_optimizer(ac, cfg)", "build_scheduler(self.optimizer, cfg.model_copy(",
+    for call in ("build_optimizer(ac, cfg, ", "build_scheduler(self.optimizer, cfg.model_copy(",
                  "make_accelerator(cfg)"):
         assert call in src, call
 
