@@ -189,9 +189,9 @@ def _stage_command(name: str):
             overrides[f"{name}.train.{setting}"] = kw.pop(setting)
         cfg = _load(kw.pop("config"), overrides, kw.pop("set_"))
         _prepare_services(cfg)
-        from crawl2chat.flows.pipeline import STAGE_FLOWS
+        from crawl2chat.flows.pipeline import stage_flow
 
-        summary = _guarded(lambda: STAGE_FLOWS[name](cfg, **kw), cfg.home)
+        summary = _guarded(lambda: stage_flow(name)(cfg, **kw), cfg.home)
         typer.echo(f"\n{name} model: {summary['model_dir']}\n  {stage.report(summary)}\n"
                    f"  MLflow: {summary.get('model_uri')} (run {summary['run_id']})")
 

@@ -11,10 +11,11 @@ settings and the stage's inputs as parameters.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 
-from prefect import flow
+from prefect import Flow, flow
 
 from crawl2chat.flows.data import run_data_pipeline, with_refresh
 from crawl2chat.infra.lineage import folder_input_tags, model_input_tags
@@ -131,6 +132,19 @@ def _single_stage_flow(stage: TrainingStage):
     return flow(name=stage.name, description=stage.goal)(run_stage)
 
 
-STAGE_FLOWS = {name: _single_stage_flow(stage) for name, stage in STAGES.items()}
-# Module attributes, so a deployment's entrypoint can name each: flows/pipeline.py:sft_flow.
-globals().update({f"{name}_flow": f for name, f in STAGE_FLOWS.items()})
+@functools.cache
+def stage_flow(name: str) -> Flow:
+    """The single-stage flow of ``name``, built when first asked for: Prefect derives each
+    flow's parameter form from the whole settings model (a fraction of a second apiece),
+    which a command running one stage, or none, should not pay for every stage."""
+    return _single_stage_flow(STAGES[name])
+
+
+def __getattr__(attr: str):
+    """``<stage>_flow`` as a module attribute, so a deployment's entrypoint can name each
+    (flows/pipeline.py:sft_flow); ``STAGE_FLOWS``: every one by stage name."""
+    if attr == "STAGE_FLOWS":
+        return {name: stage_flow(name) for name in STAGES}
+    if attr.endswith("_flow") and attr[: -len("_flow")] in STAGES:
+        return stage_flow(attr[: -len("_flow")])
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

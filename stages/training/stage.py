@@ -32,7 +32,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -46,9 +46,14 @@ from crawl2chat.stages.training.failures import (BAD_INPUT, BUSY, DIVERGED, EXHA
                                                   TRANSIENT)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.tokenizer import TOKENIZER_FILES
-from crawl2chat.stages.training.trainer import Trainer, TrainingDiverged, make_accelerator
+
+if TYPE_CHECKING:
+    from crawl2chat.stages.training.trainer import Trainer
 
 def failure_kind(error: BaseException) -> str:
+    # The trainer (torch) is imported where a script runs, not where a run is launched.
+    from crawl2chat.stages.training.trainer import TrainingDiverged
+
     if isinstance(error, TrainingDiverged):
         return DIVERGED
     if exhaustion(error) is not None:
@@ -159,6 +164,8 @@ def start_stage(config_cls, args: argparse.Namespace, model_path: str) -> tuple[
     check (returns ``(None, summary)`` when the run is already done), the accelerator,
     the output folder and the tokenizer of the starting model."""
     from transformers import AutoTokenizer
+
+    from crawl2chat.stages.training.trainer import make_accelerator
 
     cfg = resolve(config_cls, args)
     out = Path(args.out)
