@@ -82,6 +82,27 @@ def test_bpb_matches_direct_computation(models):
     assert res["perplexity"] == pytest.approx(math.exp(nats / (len(ids) - 1)), rel=1e-5)
 
 
+def test_continuation_log_probabilities_in_one_padded_batch(models):
+    model, tok = load_model(models["random"])
+    rows = [tok("amber birch cedar dune", add_special_tokens=False)["input_ids"],
+            tok("vale", add_special_tokens=False)["input_ids"] * 3]
+    starts = [2, 1]
+    got = ev.continuation_logprobs(model, rows, starts, tok.eos_token_id)
+    for row, start, value in zip(rows, starts, got):  # each row alone, unpadded
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([row])).logits[0], -1)
+        assert value == pytest.approx(sum(lp[t - 1, row[t]].item() for t in range(start, len(row))), rel=1e-5)
+    # A row longer than the context keeps its last tokens: the scored continuation.
+    limit = model.config.max_position_embeddings
+    long = rows[0] * (limit // len(rows[0]) + 2)
+    tail = long[-limit:]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=torch.tensor([tail])).logits[0], -1)
+    start = len(long) - 3
+    want = sum(lp[t - 1, tail[t]].item() for t in range(limit - 3, limit))
+    assert ev.continuation_logprobs(model, [long], [start], tok.eos_token_id)[0] == pytest.approx(want, rel=1e-5)
+
+
 def test_sliding_windows_score_every_token_once(models):
     loaded = load_model(models["trained"])
     docs = models["held_out"][:6]

@@ -194,23 +194,30 @@ def make_mc_tasks(texts: Sequence[str], n: int = 100, seed: int = 0, n_choices: 
 
 
 @torch.inference_mode()
+def continuation_logprobs(model, rows: Sequence[list[int]], starts: Sequence[int], pad_id: int) -> list[float]:
+    """Summed log-probability of each row's tokens from ``starts[i]`` on, each predicted
+    from the tokens before it, in one right-padded batch. A row longer than the model's
+    context keeps its last tokens (the continuation being scored); a continuation cut
+    that way is scored on the part left."""
+    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+    cut = [max(0, len(r) - limit) for r in rows]
+    kept = [list(r[c:]) for r, c in zip(rows, cut)]
+    width = max(len(r) for r in kept)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in kept])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in kept])
+    lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(), -1)
+    out = []
+    for i, (r, c, start) in enumerate(zip(kept, cut, starts)):
+        targets = torch.arange(max(start - c, 1), len(r))
+        out.append(float(lp[i, targets - 1, ids[i, targets]].double().sum()))
+    return out
+
+
 def choice_logprobs(model, tok, context: str, choices: Sequence[str]) -> list[float]:
     """Sum of log-probabilities of each choice's tokens after ``context``."""
     ctx_ids = [tok.eos_token_id] + tok(context, add_special_tokens=False)["input_ids"]
     rows = [ctx_ids + tok(c, add_special_tokens=False)["input_ids"] for c in choices]
-    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-    width = max(len(r) for r in rows)
-    x = torch.full((len(rows), width), tok.eos_token_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        x[i, :len(r)] = torch.tensor(r)
-    x = x[:, -limit:] if width > limit else x
-    shift = width - x.size(1)
-    lp = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), -1)
-    out = []
-    for i, r in enumerate(rows):
-        tgt = range(max(len(ctx_ids), shift + 1), len(r))
-        out.append(sum(float(lp[i, t - 1 - shift, r[t]]) for t in tgt))
-    return out
+    return continuation_logprobs(model, rows, [len(ctx_ids)] * len(rows), tok.eos_token_id)
 
 
 def multiple_choice_accuracy(model_dir, tasks: Sequence[dict], quantize: str | None = None) -> dict:
@@ -238,7 +245,6 @@ def question_kind(question: str) -> str:
     return "function" if question.startswith("What does ") else "other"
 
 
-@torch.inference_mode()
 def question_accuracy(model_dir, rows: Sequence[dict], n_choices: int = 4, seed: int = 0) -> dict:
     """Reference questions as multiple choice: each row's ``reference`` (the page's own
     answer to its ``prompt``) among ``n_choices - 1`` answers to other questions of the
@@ -250,7 +256,6 @@ def question_accuracy(model_dir, rows: Sequence[dict], n_choices: int = 4, seed:
 
     model, tok = _model(model_dir)
     eot = end_of_turn_id(tok)
-    limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rng = random.Random(seed)
     correct = correct_norm = n = 0
@@ -266,15 +271,7 @@ def question_accuracy(model_dir, rows: Sequence[dict], n_choices: int = 4, seed:
         messages = [{"role": "user", "content": row["prompt"]}]
         prompt = encode_prompt(tok, messages)
         answers = [encode_response(tok, messages, c, eot) for c in choices]
-        seqs = [(prompt + a)[:limit] for a in answers]
-        width = max(len(x) for x in seqs)
-        ids = torch.tensor([x + [pad] * (width - len(x)) for x in seqs])
-        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs])
-        lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(), -1)
-        scores = []
-        for k, x in enumerate(seqs):
-            targets = range(len(prompt), len(x))  # the answer's tokens, each predicted from the one before
-            scores.append(sum(float(lp[k, t - 1, x[t]]) for t in targets))
+        scores = continuation_logprobs(model, [prompt + a for a in answers], [len(prompt)] * n_choices, pad)
         norm = [v / max(1, len(c.encode("utf-8"))) for v, c in zip(scores, choices)]
         correct += int(max(range(n_choices), key=scores.__getitem__) == label)
         correct_norm += int(max(range(n_choices), key=norm.__getitem__) == label)
