@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata as md
+import json
 import re
+import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -130,3 +132,22 @@ def test_constraints_pin_every_declared_dependency():
     floating = sorted(_declared(extras=False) - pinned)
     assert not floating, f"refresh constraints.txt; not pinned: {floating}"
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
+
+
+def test_a_launching_process_imports_no_training_framework():
+    """The process that launches a training stage (the CLI, a Prefect worker's flow run)
+    starts a separate ``accelerate launch``; importing the training task and the flows
+    must not load torch there (seconds per command), and the single-stage flows are
+    built when asked for."""
+    code = ("import sys, json; import crawl2chat.tasks.train; import crawl2chat.flows.pipeline as p; "
+            "before = sorted(k for k, v in vars(p).items() if isinstance(v, p.Flow)); f = p.sft_flow; "
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'before': before, 'sft': f.name, "
+            "'all': sorted(p.STAGE_FLOWS)}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False
+    assert got["before"] == ["pipeline_flow", "train_flow"] and got["sft"] == "sft"
+    from crawl2chat.stages.training.registry import STAGES
+
+    assert got["all"] == sorted(STAGES)
