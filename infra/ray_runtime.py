@@ -27,6 +27,8 @@ import os
 import ray
 from ray.data.context import ShuffleStrategy
 
+from crawl2chat.stages.lifetime import hold_lifeline
+
 log = logging.getLogger(__name__)
 
 
@@ -96,6 +98,11 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
             # "local": a new instance, never a cluster some earlier `ray start` left on this machine.
             kwargs.update(address="local", include_dashboard=False, num_cpus=num_cpus)
             _loopback_only()
+            # Ray's agents outlive a raylet that died with this process by a minute (they
+            # report its death to the GCS, gone too, and wait out the call): a lifeline
+            # (stages.lifetime) reaps them the moment this process ends, whoever started it
+            # (the command holds one already; a Prefect worker's flow run or a notebook does not).
+            hold_lifeline()
             # The local instance lives and dies with this process: Ray binds its GCS and
             # raylet to it (a parent-death signal); the raylet's agents are told of the
             # raylet's death through a pipe instead of noticing it by polling.
