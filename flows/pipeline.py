@@ -16,6 +16,7 @@ import inspect
 from pathlib import Path
 
 from prefect import Flow, flow
+from prefect.futures import wait
 
 from crawl2chat.flows.data import run_data_pipeline, with_refresh
 from crawl2chat.infra.lineage import folder_input_tags, model_input_tags
@@ -28,14 +29,27 @@ from crawl2chat.tasks.train import demo_sets_task, questions_task, showcase_task
 
 
 def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str, str],
-          eval_data: str | None = None) -> dict:
-    """Run one training stage with its section of the settings, as a Prefect task."""
+          eval_data: str | None = None, cpu_share: int = 1, submit: bool = False):
+    """Run one training stage with its section of the settings, as a Prefect task
+    (``submit``: started in the background; returns its future)."""
     section = getattr(config, stage)
-    return training_task(stage)(
+    task = training_task(stage)
+    return (task.submit if submit else task)(
         stage, {name: str(Path(path).resolve()) for name, path in inputs.items()}, str(Path(section.out).resolve()),
         section.train.model_dump(mode="json"), num_processes=section.num_processes, nodes=section.nodes,
         accelerate_config=section.accelerate_config, lineage=lineage, registered_name=section.registered_name,
-        eval_data=eval_data)
+        eval_data=eval_data, cpu_share=cpu_share)
+
+
+def side_by_side(config: Config, *stages: str) -> bool:
+    """Whether these stages train at the same time on this machine's CPU, each rank on
+    its share of the cores: each is one process on one machine, and no GPU is visible
+    (a GPU or a multi-process job keeps the machine to itself). Their start-up,
+    imports and evaluations then overlap instead of queueing."""
+    import torch
+
+    return not torch.cuda.is_available() and all(
+        getattr(config, s).num_processes == 1 and getattr(config, s).nodes == 1 for s in stages)
 
 
 @flow(name="pipeline")
@@ -78,8 +92,15 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     prompts = config.ppo.prompts or demo["prompts"]
 
     base_tags = model_input_tags(base=base)
-    sft = train(config, "sft", {"base": base["model_dir"], "data": sft_data}, base_tags, eval_data=shards)
-    rm = train(config, "reward", {"base": base["model_dir"], "data": pref_data}, base_tags)
+    sft_inputs, rm_inputs = {"base": base["model_dir"], "data": sft_data}, {"base": base["model_dir"], "data": pref_data}
+    if side_by_side(config, "sft", "reward"):  # both start from the base model alone
+        futures = [train(config, "sft", sft_inputs, base_tags, eval_data=shards, cpu_share=2, submit=True),
+                   train(config, "reward", rm_inputs, base_tags, cpu_share=2, submit=True)]
+        wait(futures)  # both end (a failed one does not leave the other running) before either is read
+        sft, rm = (f.result() for f in futures)
+    else:
+        sft = train(config, "sft", sft_inputs, base_tags, eval_data=shards)
+        rm = train(config, "reward", rm_inputs, base_tags)
     policy = train(config, "ppo", {"policy": sft["model_dir"], "reward": rm["model_dir"], "prompts": prompts},
                    model_input_tags(sft=sft, reward=rm), eval_data=shards)
     result = {"sft": sft, "reward": rm, "ppo": policy}

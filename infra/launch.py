@@ -63,13 +63,15 @@ class NodeLayout:
 
 def accelerate_command(module: str, args: list[str], num_processes: int = 1,
                        accelerate_config: str | None = None, cpu: bool = True,
-                       node: NodeLayout | None = None) -> list[str]:
+                       node: NodeLayout | None = None, cpu_share: int = 1) -> list[str]:
     """``python -m accelerate.commands.launch ... -m MODULE ARGS`` for this interpreter.
 
     Without an explicit ``accelerate_config`` the packaged one is chosen:
     ``cpu``/``cpu_ddp`` on CPU, ``gpu_ddp`` on GPUs (``fsdp`` and ``deepspeed`` must be asked for).
     ``accelerate_config`` may be a packaged name (``"fsdp"``) or a path. ``node``: this
-    machine's part of a job over several (``num_processes`` is the total)."""
+    machine's part of a job over several (``num_processes`` is the total). ``cpu_share``:
+    how many jobs share this machine's cores at the same time (on CPU each rank gets
+    that share of the cores as its threads)."""
     if node is not None and num_processes % node.nodes:
         raise ValueError(f"num_processes={num_processes} must split evenly over {node.nodes} nodes")
     if accelerate_config is None:
@@ -102,7 +104,7 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
         # multi-process launcher does not export this from the config); not
         # under DeepSpeed, which accelerate switches off when it is set.
         # fp32: CPUs without bf16 units run bf16 autocast far slower than fp32.
-        threads = max(1, (os.cpu_count() or 1) // (num_processes // (node.nodes if node else 1)))
+        threads = max(1, (os.cpu_count() or 1) // (num_processes // (node.nodes if node else 1) * cpu_share))
         env = [] if deepspeed else ["env", "ACCELERATE_USE_CPU=true"]
         cmd = [*env, *cmd, "--mixed_precision", "no", "--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]

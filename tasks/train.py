@@ -36,14 +36,15 @@ from crawl2chat.stages.training.stage import model_damage, script_argv
 
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
                  accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
-                 env: dict[str, str] | None = None, node: NodeLayout | None = None) -> int:
+                 env: dict[str, str] | None = None, node: NodeLayout | None = None, cpu_share: int = 1) -> int:
     """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``
-    (``OUT/train-node<r>.log`` for machine r > 0 of a job over several)."""
+    (``OUT/train-node<r>.log`` for machine r > 0 of a job over several); ``cpu_share``: jobs
+    training on this machine's cores at the same time (:func:`accelerate_command`)."""
     import torch
 
     Path(out).mkdir(parents=True, exist_ok=True)
     cmd = accelerate_command(module, argv, num_processes=num_processes, accelerate_config=accelerate_config,
-                             cpu=not torch.cuda.is_available(), node=node)
+                             cpu=not torch.cuda.is_available(), node=node, cpu_share=cpu_share)
     # The stage prints its own progress; library progress bars and load reports go unseen.
     quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
     log = "train.log" if node is None or node.rank == 0 else f"train-node{node.rank}.log"
@@ -53,7 +54,7 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
 def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_steps: int | None = None,
                     config: str | None = None, overrides: list[str] | None = None, num_processes: int = 1,
                     accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
-                    env: dict[str, str] | None = None, nodes: int = 1) -> int:
+                    env: dict[str, str] | None = None, nodes: int = 1, cpu_share: int = 1) -> int:
     """Run the training stage ``stage`` (see the registry) under ``accelerate launch``;
     a stage that prepares on the host (pretraining's tokenizer and packing, on Ray)
     does that first. ``nodes`` > 1: over that many machines of the Ray cluster
@@ -65,11 +66,11 @@ def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_ste
             return launch_across_nodes(stage, inputs, out, nodes, max_steps, config, overrides, num_processes,
                                        accelerate_config, env)
         return _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
-                                on_line, env)
+                                on_line, env, cpu_share=cpu_share)
 
 
 def _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
-                     on_line, env, node: NodeLayout | None = None, prepare: bool = True) -> int:
+                     on_line, env, node: NodeLayout | None = None, prepare: bool = True, cpu_share: int = 1) -> int:
     import importlib
 
     spec = STAGES[stage]
@@ -78,13 +79,16 @@ def _launch_training(stage, inputs, out, max_steps, config, overrides, num_proce
     if prepare:
         (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
     if prepare and spec.prepare_on_host:
-        if any(Path(v).is_dir() for v in inputs.values()):
-            from crawl2chat.infra.ray_runtime import ensure_ray
+        on_ray = any(Path(v).is_dir() for v in inputs.values())
+        if on_ray:
+            from crawl2chat.infra.ray_runtime import ensure_ray, release_local_ray
 
             ensure_ray()
         importlib.import_module(spec.module).prepare_on_host(argv)
+        if on_ray:
+            release_local_ray()  # the training processes get the cores a local Ray would keep busy
     try:
-        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node)
+        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node, cpu_share)
     except LaunchError as e:
         failure = read_failure(out) or {"kind": TRANSIENT, "message": f"the training process exited with status "
                                                                       f"{e.returncode} without reporting why"}
@@ -352,9 +356,12 @@ def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_
 
 def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str, Any], num_processes: int = 1,
                 accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
-                registered_name: str | None = None, eval_data: str | None = None, nodes: int = 1) -> dict:
+                registered_name: str | None = None, eval_data: str | None = None, nodes: int = 1,
+                cpu_share: int = 1) -> dict:
     """One training stage of the registry, recorded: launch, metrics, model, registration,
-    evaluation. ``nodes`` > 1: launched over that many machines of the Ray cluster."""
+    evaluation. ``nodes`` > 1: launched over that many machines of the Ray cluster.
+    ``cpu_share``: stages training side by side on this machine's CPU (each rank takes
+    that share of the cores)."""
     spec = STAGES[stage]
 
     def launch(config_file: str, on_line: Callable, run_dir: str) -> None:
@@ -362,7 +369,7 @@ def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str
             print(f"[{stage}] launching {num_processes} processes over {nodes} machines of the Ray cluster; "
                   f"their output is in {run_dir}/train*.log", flush=True)
         launch_training(stage, inputs, run_dir, config=config_file, on_line=on_line, num_processes=num_processes,
-                        accelerate_config=accelerate_config, nodes=nodes)
+                        accelerate_config=accelerate_config, nodes=nodes, cpu_share=cpu_share)
 
     def artifact_dirs(summary: dict) -> None:
         for key in spec.artifact_dirs:
@@ -371,7 +378,7 @@ def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str
 
     summary = record_training(stage, out, settings, launch, inputs, lineage, registered_name, artifact_dirs,
                               evaluate=_evaluation(stage, inputs, settings, eval_data),
-                              params={"num_processes": num_processes, "nodes": nodes})
+                              params={"num_processes": num_processes, "nodes": nodes, "cpu_share": cpu_share})
     print(f"[{stage}] {spec.report(summary)} -> {summary['model_dir']}", flush=True)
     return summary
 

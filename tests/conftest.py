@@ -61,6 +61,9 @@ def ray_local():
     from crawl2chat.infra.ray_runtime import ensure_ray
 
     info = ensure_ray(num_cpus=2)
+    # Shared by every test of the session: training launched in-process (which stops a
+    # local Ray it finds once its data is prepared) leaves this one running.
+    ensure_ray.started_local = False
     yield info
     ray.shutdown()
 

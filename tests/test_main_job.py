@@ -94,6 +94,12 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert ppo.data.tags["crawl2chat.input.sft"] == children["sft"].info.run_id
     assert ppo.data.tags["crawl2chat.input.reward"] == children["reward"].info.run_id
     assert children["sft"].data.tags["crawl2chat.input.base"] == pre.info.run_id
+    # SFT and the reward model both start from the base model alone: on CPU they train
+    # side by side, each on its share of the cores, both under the pipeline run.
+    sft, rm = children["sft"].info, children["reward"].info
+    assert sft.start_time < rm.end_time and rm.start_time < sft.end_time
+    assert children["sft"].data.params["cpu_share"] == children["reward"].data.params["cpu_share"] == "2"
+    assert rm.start_time > pre.info.end_time and children["ppo"].info.start_time > max(sft.end_time, rm.end_time)
     lineage = subprocess.run([sys.executable, "-m", "crawl2chat.cli", "lineage", ppo.data.tags["crawl2chat.model_dir"]],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert lineage.returncode == 0, lineage.stderr

@@ -99,6 +99,39 @@ def test_local_ray_dies_with_its_driver():
     assert time.monotonic() - t0 < 20
 
 
+RELEASER = textwrap.dedent("""
+    import json, time
+    import psutil, ray
+    from crawl2chat.infra.ray_runtime import ensure_ray, release_local_ray
+    from crawl2chat.stages.lifetime import hold_lifeline
+    ensure_ray(num_cpus=1)
+    time.sleep(3)  # let the raylet start its agents
+    me = psutil.Process()
+    started = len(me.children(recursive=True))
+    stopped, again = release_local_ray(), release_local_ray()
+    lifeline = hold_lifeline._reaper.pid  # held for the whole process, not Ray's
+    def ray_left():
+        return [" ".join(p.cmdline()[:4]) for p in me.children(recursive=True) if p.pid != lifeline]
+    deadline = time.monotonic() + 20
+    while ray_left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = ray_left()
+    print(json.dumps({"started": started, "stopped": stopped, "again": again, "left": left,
+                      "initialized": ray.is_initialized()}), flush=True)
+""")
+
+
+def test_local_ray_released_for_training_leaves_no_process():
+    """Training stops the local Ray once its data is prepared (``release_local_ray``): every
+    Ray process goes while the process that started it carries on; a second call, or one
+    with no local instance, stops nothing."""
+    proc = subprocess.run([sys.executable, "-c", RELEASER], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["started"] > 0 and result["stopped"] and not result["again"]
+    assert result["left"] == [] and not result["initialized"]
+
+
 def _same(pid: int, create_time: float) -> bool:
     import psutil
 
