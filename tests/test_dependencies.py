@@ -41,20 +41,28 @@ def _declared(extras: bool) -> set[str]:
     return names
 
 
+def _imports_of(folder: str) -> dict[str, set[str]]:
+    """Full module name -> the files of ``folder`` importing it (module level or inside functions)."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
 def _imported_modules() -> dict[str, set[str]]:
     """Top-level module -> the source files importing it (module level or inside functions)."""
     found: dict[str, set[str]] = {}
     for folder in SOURCE_DIRS:
-        for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                else:
-                    continue
-                for name in names:
-                    found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+        for name, files in _imports_of(folder).items():
+            found.setdefault(name.split(".")[0], set()).update(files)
     return found
 
 
@@ -151,3 +159,14 @@ def test_a_launching_process_imports_no_training_framework():
     from crawl2chat.stages.training.registry import STAGES
 
     assert got["all"] == sorted(STAGES)
+
+
+def test_imports_flow_one_way():
+    """flows -> tasks -> stages: the stages (what a training rank or a Ray worker runs)
+    import neither Prefect nor MLflow nor the layers above them; tasks do not import flows."""
+    def offenders(folder: str, banned: tuple[str, ...]) -> dict[str, set[str]]:
+        return {name: files for name, files in _imports_of(folder).items()
+                if any(name == b or name.startswith(b + ".") for b in banned)}
+
+    assert offenders("stages", ("prefect", "mlflow", "crawl2chat.flows", "crawl2chat.tasks", "crawl2chat.infra")) == {}
+    assert offenders("tasks", ("crawl2chat.flows",)) == {}
