@@ -94,8 +94,9 @@ def run_post_training(config: Config, base: dict, shards: str) -> dict:
     base_tags = model_input_tags(base=base)
     sft_inputs, rm_inputs = {"base": base["model_dir"], "data": sft_data}, {"base": base["model_dir"], "data": pref_data}
     if side_by_side(config, "sft", "reward"):  # both start from the base model alone
-        futures = [train(config, "sft", sft_inputs, base_tags, eval_data=shards, cpu_share=2, submit=True),
-                   train(config, "reward", rm_inputs, base_tags, cpu_share=2, submit=True)]
+        share = 2  # the two stages below split the cores
+        futures = [train(config, "sft", sft_inputs, base_tags, eval_data=shards, cpu_share=share, submit=True),
+                   train(config, "reward", rm_inputs, base_tags, cpu_share=share, submit=True)]
         wait(futures)  # both end (a failed one does not leave the other running) before either is read
         sft, rm = (f.result() for f in futures)
     else:
