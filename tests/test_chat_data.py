@@ -149,6 +149,14 @@ def test_showcase_asks_reference_questions_about_pages_no_set_used(tmp_path):
     pages = [q["source_id"] for q in questions]
     assert questions and all(q["source_id"] not in used for q in questions)
     assert max(pages.count(p) for p in pages) <= 2 and all(q["prompt"].startswith("What ") for q in questions)
+    # Sets that ask for more examples than the corpus has still leave the kept pages' questions.
+    paths = derive_demo_sets(tmp_path / "corpus", tmp_path / "all", n=500, by_weight=False)
+    used = {json.loads(line)["source_id"] for k in ("sft", "preference", "prompts")
+            for line in Path(paths[k]).read_text().splitlines()}
+    questions = [json.loads(line) for line in Path(paths["questions"]).read_text().splitlines()]
+    kept = {q["source_id"] for q in questions}
+    assert kept and kept.isdisjoint(used) and len(used) + len(kept) == 60, (kept, len(used))
+    assert json.loads(Path(paths["summary"]).read_text())["question_pages"] == len(kept)
 
 
 def test_showcase_passes_over_test_modules(tmp_path):

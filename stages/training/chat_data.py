@@ -429,6 +429,9 @@ def _weighted_order(groups: list[str], sizes: list[int], weights: list[float], s
     return order, {g: float(target[code[g]]) for g in names}
 
 
+# The share of reference pages kept for the questions and the showcase (no set uses them).
+QUESTION_PAGES = 0.1
+
 _SIGNATURE_RE = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)\s*$")
 
 
@@ -499,8 +502,10 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     Writes ``sft.jsonl``, ``preference.jsonl``, ``prompts.jsonl`` (each row with
     the ``source_id`` of its page), ``showcase.jsonl`` and ``questions.jsonl``
     (reference questions about pages the base model read and no set used: three
-    to show, up to ``questions_n`` to score) and ``demo_sets.json`` (the split used, and per
-    group ``share.<g>.target`` / ``share.<g>.realised`` of the SFT examples) under
+    to show, up to ``questions_n`` to score; the pages kept for them, :data:`QUESTION_PAGES`
+    of the reference pages by id hash, come first, then pages the sets left over) and
+    ``demo_sets.json`` (the split used, the number of questions, and per group
+    ``share.<g>.target`` / ``share.<g>.realised`` of the SFT examples) under
     ``out_dir`` and returns their paths (``summary`` for the last)."""
     from crawl2chat.stages.training.heldout import training_rows
 
@@ -543,9 +548,15 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     if not examples:
         raise NoUsableRows(f"no documents with two or more sentences under {shards_dir}")
     order, target = _weighted_order(groups, sizes, weights, seed) if by_weight else (list(range(len(examples))), {})
+    # Reference pages whose id hashes under QUESTION_PAGES are kept for the questions
+    # and the showcase alone, so every model is scored on pages no set used however
+    # many examples the sets take.
+    reserved = [e[2] is not None and e[0].startswith("What ") and is_held_out(f"questions:{e[2]}", QUESTION_PAGES)
+                for e in examples]
+    for_sets = [i for i in order if not reserved[i]]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    picked = [examples[i] for i in order[: 3 * n]]
+    picked = [examples[i] for i in for_sets[: 3 * n]]
     sft = picked[:n]
     pref = picked[: n]
     prompts = picked[n: 2 * n] or picked[: n]
@@ -575,7 +586,7 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             return 3  # a test module's purpose ("Tests for X") shows little of what was learnt
         return 0 if prompt.endswith("module for?") else 1 if prompt.startswith("What does ") else 2
 
-    unused = [examples[i] for i in order if examples[i][2] not in used]
+    unused = [examples[i] for i in order if reserved[i]] + [examples[i] for i in for_sets if examples[i][2] not in used]
     showcase, pages = [], set()
     for e in sorted(unused, key=lambda e: kind(e[0])):  # stable: keeps the draw order within a kind
         if e[2] not in pages and len(showcase) < 3:
@@ -598,9 +609,11 @@ def derive_demo_sets(shards_dir: str | os.PathLike, out_dir: str | os.PathLike, 
         with open(paths["questions"], "w", encoding="utf-8") as f:
             for p, r, i in questions:
                 f.write(json.dumps({"prompt": p, "reference": r, "source_id": i}) + "\n")
-    chosen_groups = Counter(groups[i] for i in order[:n])
+    chosen_groups = Counter(groups[i] for i in for_sets[:n])
     summary: dict[str, Any] = {"split": split.name if split is not None else "none (no base model split given)",
-                               "by_weight": by_weight, "candidates": len(examples)}
+                               "by_weight": by_weight, "candidates": len(examples),
+                               "question_pages": len({e[2] for e, r in zip(examples, reserved) if r}),
+                               "questions": len(questions)}
     for g in sorted(set(groups)):
         key = re.sub(r"[^A-Za-z0-9_\-/ ]", "_", g)
         if target:
