@@ -187,11 +187,15 @@ def test_seeded_defaults_ent_coef_and_lion_learning_rates():
     # Through the project tree, where every section starts from its full defaults: choosing
     # Lion alone still moves lr to Lion's default, and the settings file a stage script
     # reads keeps following the optimizer.
+    # The embedded default's cpu-small preset takes its own AdamW default (6e-3), a fifth of it with Lion.
+    assert load_settings(Config, None, {}).pretrain.train.lr == pytest.approx(6e-3)
+    assert S.PretrainConfig(preset="tiny").lr == S.PretrainConfig.default_lr
     cfg = load_settings(Config, None, {"pretrain.train.optimizer": "lion"})
-    assert cfg.pretrain.train.lr == pytest.approx(2e-4)
+    assert cfg.pretrain.train.lr == pytest.approx(1.2e-3)
     dumped = cfg.pretrain.train.model_dump(mode="json")
     assert dumped["lr"] is None and dumped["min_lr"] is None
-    assert S.PretrainConfig.model_validate(dumped).lr == pytest.approx(2e-4)
+    assert S.PretrainConfig.model_validate(dumped).lr == pytest.approx(1.2e-3)
+    assert S.PretrainConfig.model_validate({**dumped, "optimizer": "adamw"}).lr == pytest.approx(6e-3)
     explicit = load_settings(Config, None, {"pretrain.train.optimizer": "lion", "pretrain.train.lr": 5e-4})
     assert explicit.pretrain.train.model_dump()["lr"] == 5e-4
 

@@ -54,7 +54,8 @@ class LoopConfig(BaseModel):
     max_steps: int = 1000
     lr: float | None = Field(
         None, gt=0,
-        description="Peak learning rate. Unset: the stage's AdamW default (pretrain 1e-3, SFT 1e-4, reward 5e-5, "
+        description="Peak learning rate. Unset: the stage's AdamW default (pretrain 1e-3, or 6e-3 for the cpu-small "
+                    "preset; SFT 1e-4, reward 5e-5, "
                     "DPO and PPO 1e-5), or a fifth of it with optimizer=lion (Lion needs a 3-10x smaller rate).")
     min_lr: float | None = Field(
         None, ge=0, description="Learning rate at the end of the decaying schedules. Unset: a tenth of lr.")
@@ -103,12 +104,16 @@ class LoopConfig(BaseModel):
     @model_validator(mode="after")
     def _resolve_learning_rates(self):
         if self.lr is None:
-            self.lr = self.default_lr * (LION_LR_FACTOR if self.optimizer == "lion" else 1.0)
+            self.lr = self.adamw_default_lr() * (LION_LR_FACTOR if self.optimizer == "lion" else 1.0)
             self._lr_default = True
         if self.min_lr is None:
             self.min_lr = self.lr * MIN_LR_FRACTION
             self._min_lr_default = True
         return self
+
+    def adamw_default_lr(self) -> float:
+        """The AdamW learning rate an unset ``lr`` takes (before Lion's factor)."""
+        return self.default_lr
 
     @field_serializer("lr", "min_lr")
     def _unset_when_default(self, value: float, info) -> float | None:
@@ -162,6 +167,12 @@ DECODER_PRESETS = ("tiny", "cpu-small", "cpu", "124m", "1b")
 
 class PretrainConfig(TrainConfig):
     default_lr: ClassVar[float] = 1e-3
+    # A model this small takes larger steps. Measured on the embedded corpus (240 steps of
+    # 16 x 256 tokens): held-out bits per byte 2.03 at 1e-3, 1.99 at 3e-3, 1.96 at 6e-3, 2.01 at 1e-2.
+    PRESET_LR: ClassVar[dict[str, float]] = {"cpu-small": 6e-3}
+
+    def adamw_default_lr(self) -> float:
+        return self.PRESET_LR.get(self.preset, self.default_lr)
 
     preset: Literal[DECODER_PRESETS] = "cpu"
     vocab_size: int = 8192  # tokenizer trained on the data when no tokenizer is given
