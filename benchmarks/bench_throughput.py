@@ -65,9 +65,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-# datatrove's venv (its extras pin an old trafilatura and another fastText build: never the project's venv)
-DATATROVE_REQUIREMENTS = ["datatrove[io,processing]==0.10.1", "spacy", "psutil", "trafilatura==2.3.1",
-                          "Resiliparse==2.0.1"]
+# datatrove's venv (its extras pin an old trafilatura and another fastText build: never the project's venv);
+# the project's trafilatura goes in over datatrove's pin, so both sides extract with the same version
+# (with the HTML cleaner that lxml no longer ships, which trafilatura imports).
+DATATROVE_REQUIREMENTS = ["datatrove[io,processing]==0.10.1", "spacy", "psutil", "Resiliparse==2.0.1"]
+DATATROVE_OVERRIDES = ["trafilatura==2.3.1", "lxml_html_clean==0.4.6"]
 DEFAULT_INPUTS = [
     "/work/shared/data/warc/dolma/*.warc.gz",
     "/work/shared/data/warc/resiliparse/warcfile.warc.gz",
@@ -506,7 +508,7 @@ def main() -> None:
         from peers import PeerMissing, peer_python
 
         try:
-            args.bench_python = str(peer_python("datatrove", DATATROVE_REQUIREMENTS, args.with_peer))
+            args.bench_python = str(peer_python("datatrove", DATATROVE_REQUIREMENTS, args.with_peer, DATATROVE_OVERRIDES))
         except PeerMissing as e:
             sys.exit(f"{e}, or pass --sides crawl2chat")
     if "datatrove" in sides and not os.path.exists(args.bench_python):

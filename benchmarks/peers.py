@@ -20,21 +20,30 @@ class PeerMissing(RuntimeError):
     """The peer's venv does not exist and the benchmark was not asked to make it."""
 
 
-def peer_python(name: str, requirements: list[str], with_peer: bool) -> Path:
+def peer_python(name: str, requirements: list[str], with_peer: bool, overrides: list[str] = ()) -> Path:
     """The python of peer ``name``'s venv, with ``requirements`` installed in it (made on
-    first use when ``with_peer``; a finished venv holds a ``.complete`` marker)."""
+    first use when ``with_peer``; a finished venv holds a ``.complete`` marker).
+
+    ``overrides`` are installed afterwards in a second pip call: versions the benchmark
+    needs both sides to share where the peer's own metadata pins another one (datatrove's
+    ``processing`` extra asks for trafilatura 1.x); pip reports the conflict and installs them,
+    where one call with both would refuse to resolve."""
     venv = ROOT / name
     python = venv / "bin" / "python"
     marker = venv / ".complete"
-    if marker.exists() and marker.read_text() == "\n".join(requirements):
+    wanted = "\n".join([*requirements, *(f"then {o}" for o in overrides)])
+    if marker.exists() and marker.read_text() == wanted:
         return python
     if not with_peer:
         raise PeerMissing(f"no venv for {name} at {venv}; run again with --with-peer to create it "
-                          f"({' '.join(requirements)})")
-    print(f"[peer] creating {venv} with {' '.join(requirements)}", flush=True)
+                          f"({' '.join([*requirements, *overrides])})")
+    print(f"[peer] creating {venv} with {' '.join(requirements)}"
+          + (f", then {' '.join(overrides)}" if overrides else ""), flush=True)
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *requirements], check=True)
-    marker.write_text("\n".join(requirements))
+    if overrides:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *overrides], check=True)
+    marker.write_text(wanted)
     return python
 
 
