@@ -151,8 +151,11 @@ def test_rollout_bookkeeping(models, tmp_path):
     with torch.no_grad():
         from crawl2chat.stages.training.ppo import answer_logprobs
 
-        logits, values = runner.model(ro["seq"], ro["attn"], ro["pos"])
+        logits, values = runner.model(ro["seq"], ro["attn"], ro["pos"], answer_from=P)
+        assert logits.shape[1] == ro["seq"].shape[1] - P + 1  # no vocabulary projection over the prompt
         lp, ent = answer_logprobs(logits, ro["seq"], P, cfg.temperature)
+        every, _ = runner.model(ro["seq"], ro["attn"], ro["pos"])  # every position's logits: the same answer
+        assert torch.allclose(answer_logprobs(every, ro["seq"], P, cfg.temperature)[0], lp, atol=1e-5)
         out = ppo_losses(lp, values[:, P - 1:-1], ent, ro["logprobs"], ro["values"], ro["adv"], ro["returns"],
                          mask, 0.2, 0.2, 0.5, 0.0)
     assert out["approx_kl"].item() < 1e-10 and out["clip_fraction"].item() == 0.0

@@ -185,9 +185,14 @@ class ActorCritic(torch.nn.Module):
                           use_cache=False).last_hidden_state
         return self.critic.score(hidden).squeeze(-1).float()
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, answer_from: int | None = None):
+        """The actor's logits and the critic's values at every position; from ``answer_from``
+        on, the logits only of the positions that predict the answer (``answer_from - 1`` to
+        the end): the vocabulary projection, about half of a small model's forward, is
+        skipped over the prompt."""
+        keep = 0 if answer_from is None else input_ids.shape[1] - answer_from + 1
         logits = self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).logits
+                            use_cache=False, logits_to_keep=keep).logits
         return logits, self.values(input_ids, attention_mask, position_ids)
 
 
@@ -196,8 +201,10 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, prompt_len: int, temperature: float):
-    """Log-probabilities and entropies of the answer tokens ``seq[:, prompt_len:]``."""
-    lg = logits[:, prompt_len - 1:-1].float() / temperature
+    """Log-probabilities and entropies of the answer tokens ``seq[:, prompt_len:]``; ``logits``
+    are aligned on the end of ``seq`` (every position's, or only the last ones')."""
+    answer = seq.shape[1] - prompt_len
+    lg = logits[:, -answer - 1:-1].float() / temperature
     logp_all = torch.log_softmax(lg, -1)
     lp = logp_all.gather(-1, seq[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
@@ -309,10 +316,11 @@ class PPORunner:
         t1 = time.perf_counter()
 
         self.model.eval()
-        logits, values = self.model(seq, attn, pos)
+        logits, values = self.model(seq, attn, pos, answer_from=P)
         logprobs, _ = answer_logprobs(logits, seq, P, c.temperature)
         values = values[:, P - 1:-1]
-        ref_logits = self.ref(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits
+        ref_logits = self.ref(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False,
+                              logits_to_keep=seq.shape[1] - P + 1).logits
         ref_logprobs, _ = answer_logprobs(ref_logits, seq, P, c.temperature)
         scores = self.rm(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, 0].float()
         mask = r_mask.float()
@@ -345,7 +353,8 @@ class PPORunner:
                 for k, idx in enumerate(micros):
                     idx = idx.to(ro["seq"].device)
                     with (self.acc.no_sync(self.model) if k < len(micros) - 1 else _null()):
-                        logits, values = self.model(ro["seq"][idx], ro["attn"][idx], ro["pos"][idx])
+                        logits, values = self.model(ro["seq"][idx], ro["attn"][idx], ro["pos"][idx],
+                                                    answer_from=ro["P"])
                         lp, ent = answer_logprobs(logits, ro["seq"][idx], ro["P"], c.temperature)
                         out = ppo_losses(lp, values[:, ro["P"] - 1:-1], ent, ro["logprobs"][idx], ro["values"][idx],
                                          ro["adv"][idx], ro["returns"][idx], ro["mask"][idx], c.cliprange,
