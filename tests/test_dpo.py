@@ -28,6 +28,27 @@ def test_dpo_loss_matches_hand_computation():
     assert smooth[0].item() == pytest.approx(0.9 * expected[0] + 0.1 * math.log1p(math.exp(0.75)), rel=1e-6)
 
 
+def test_response_logprobs_sum_the_answer_tokens_of_each_row():
+    """Projected only where an answer token is predicted, the sums equal those read off every
+    position's logits; rows of different lengths and a padded row included."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from crawl2chat.stages.training.chat_data import response_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    ids = torch.randint(0, 300, (3, 20))
+    attention = torch.ones_like(ids)
+    attention[2, 14:] = 0
+    answer = torch.zeros_like(ids)
+    answer[0, 8:], answer[1, 5:18], answer[2, 9:14] = 1, 1, 1
+    every = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
+    expected = (every.gather(-1, ids[:, 1:, None])[..., 0] * answer[:, 1:]).sum(-1)
+    got = response_logprobs(model, ids, attention, answer)
+    assert torch.allclose(got, expected, atol=1e-4) and got.requires_grad
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     return tiny_base(tmp_path_factory.mktemp("dpo"))

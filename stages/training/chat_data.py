@@ -382,13 +382,17 @@ def pad(rows: list[list[int]], value: int, length: int | None = None, left: bool
 
 
 def response_logprobs(model, input_ids, attention_mask, response_mask):
-    """Sum of log-probabilities of the tokens where ``response_mask`` is 1 (right-padded rows)."""
+    """Sum of log-probabilities of the tokens where ``response_mask`` is 1 (right-padded rows).
+    The vocabulary projection runs only at the positions that predict those tokens."""
     import torch
+    import torch.nn.functional as F
 
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    lp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return (lp * response_mask[:, 1:].float()).sum(-1)
+    predicts = response_mask[:, 1:].bool()  # position t predicts token t + 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   logits_to_keep=F.pad(predicts, (0, 1), value=False)).logits.float()  # (tokens, vocab)
+    lp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:][predicts].unsqueeze(-1)).squeeze(-1)
+    rows = predicts.nonzero()[:, 0]
+    return torch.zeros(input_ids.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
 
 
 # ---------------------------------------------------------------- demo sets from the corpus
