@@ -203,14 +203,14 @@ def continuation_logprobs(model, rows: Sequence[list[int]], starts: Sequence[int
     cut = [max(0, len(r) - limit) for r in rows]
     kept = [list(r[c:]) for r, c in zip(rows, cut)]
     width = max(len(r) for r in kept)
+    from crawl2chat.stages.training.chat_data import response_logprobs
+
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in kept])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in kept])
-    lp = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float(), -1)
-    out = []
+    scored = torch.zeros_like(ids)
     for i, (r, c, start) in enumerate(zip(kept, cut, starts)):
-        targets = torch.arange(max(start - c, 1), len(r))
-        out.append(float(lp[i, targets - 1, ids[i, targets]].double().sum()))
-    return out
+        scored[i, max(start - c, 1):len(r)] = 1
+    return response_logprobs(model, ids, mask, scored).tolist()
 
 
 def choice_logprobs(model, tok, context: str, choices: Sequence[str]) -> list[float]:
