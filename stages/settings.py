@@ -339,7 +339,7 @@ class Config(BaseModel):
 # Larger runs of the same chain for users with more time or a GPU: overrides applied
 # before --set, with the wall time to expect (measured shapes; see the README).
 RUN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "default": ("about 5 minutes on 2 idle CPU cores, up to 13 on a busy or slower machine", {}),
+    "default": ("about 5 minutes on 2 recent CPU cores (AVX-512), up to 13 on older AVX2-only ones", {}),
     "large": ("about 2-3 hours on 2 CPU cores (a 5.6M-parameter model on ~25M tokens); 10-15 minutes on one GPU", {
         "data.crawl.max_pages": 3000, "demo_sets.examples": 2000,
         "pretrain.train.preset": "cpu", "pretrain.train.vocab_size": 8192, "pretrain.train.seq_len": 512,
