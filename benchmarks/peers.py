@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(os.environ.get("CRAWL2CHAT_PEERS", Path.home() / ".cache" / "crawl2chat" / "peers"))
@@ -20,7 +21,7 @@ class PeerMissing(RuntimeError):
     """The peer's venv does not exist and the benchmark was not asked to make it."""
 
 
-def peer_python(name: str, requirements: list[str], with_peer: bool, overrides: list[str] = ()) -> Path:
+def peer_python(name: str, requirements: list[str], with_peer: bool, overrides: Sequence[str] = ()) -> Path:
     """The python of peer ``name``'s venv, with ``requirements`` installed in it (made on
     first use when ``with_peer``; a finished venv holds a ``.complete`` marker).
 

@@ -199,12 +199,12 @@ def continuation_logprobs(model, rows: Sequence[list[int]], starts: Sequence[int
     from the tokens before it, in one right-padded batch. A row longer than the model's
     context keeps its last tokens (the continuation being scored); a continuation cut
     that way is scored on the part left."""
+    from crawl2chat.stages.training.chat_data import response_logprobs
+
     limit = int(getattr(model.config, "max_position_embeddings", 1 << 30))
     cut = [max(0, len(r) - limit) for r in rows]
     kept = [list(r[c:]) for r, c in zip(rows, cut)]
     width = max(len(r) for r in kept)
-    from crawl2chat.stages.training.chat_data import response_logprobs
-
     ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in kept])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in kept])
     scored = torch.zeros_like(ids)

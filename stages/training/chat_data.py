@@ -381,17 +381,26 @@ def pad(rows: list[list[int]], value: int, length: int | None = None, left: bool
                         dtype=torch.long)
 
 
-def response_logprobs(model, input_ids, attention_mask, response_mask):
-    """Sum of log-probabilities of the tokens where ``response_mask`` is 1 (right-padded rows).
-    The vocabulary projection runs only at the positions that predict those tokens."""
-    import torch
+def scored_logits(model, input_ids, scored, **kwargs):
+    """Logits at the positions that predict the tokens where ``scored`` is true, and those
+    tokens: ``(n, vocab)`` and ``(n,)``, rows in order. The vocabulary projection runs only
+    there (``logits_to_keep`` as a mask): prompts, templates and padding are a large part
+    of a chat row, and the projection a large share of a small model's work."""
     import torch.nn.functional as F
 
-    predicts = response_mask[:, 1:].bool()  # position t predicts token t + 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   logits_to_keep=F.pad(predicts, (0, 1), value=False)).logits.float()  # (tokens, vocab)
-    lp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:][predicts].unsqueeze(-1)).squeeze(-1)
-    rows = predicts.nonzero()[:, 0]
+    predicts = scored[:, 1:].bool()  # position t predicts token t + 1
+    logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=F.pad(predicts, (0, 1), value=False),
+                   **kwargs).logits
+    return logits, input_ids[:, 1:][predicts]
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask):
+    """Sum of log-probabilities of the tokens where ``response_mask`` is 1 (right-padded rows)."""
+    import torch
+
+    logits, targets = scored_logits(model, input_ids, response_mask, attention_mask=attention_mask)
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    rows = response_mask[:, 1:].bool().nonzero()[:, 0]
     return torch.zeros(input_ids.shape[0], dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
 
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from crawl2chat.stages.training.chat_data import (IGNORE_INDEX, encode_sft, held_out_phrase, load_sft,
-                                                    split_held_out)
+                                                    scored_logits, split_held_out)
 from crawl2chat.stages.training.sampling import ExampleSampler
 from crawl2chat.stages.training.stage import finish, run_script, stage_parser, start_stage
 from crawl2chat.stages.training.models import enable_grad_checkpointing
@@ -78,17 +78,11 @@ def pack_examples(examples: list[tuple[list[int], list[int]]], seq_len: int, pad
 
 
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Mean next-token cross-entropy over labelled (assistant) positions. The vocabulary
-    projection runs only at the positions that predict a label (``logits_to_keep`` as a
-    mask): about half of a chat row is prompt, template or padding, and the projection is
-    a large share of a small model's work."""
-    labels = batch["labels"][:, 1:]
-    predicts = labels != IGNORE_INDEX  # position t predicts token t + 1
-    n = int(predicts.sum())
-    logits = model(input_ids=batch["input_ids"], use_cache=False,
-                   logits_to_keep=F.pad(predicts, (0, 1), value=False)).logits.float()  # (n, vocab)
-    loss = F.cross_entropy(logits, labels[predicts], reduction="sum")
-    return loss / max(1, n), n
+    """Mean next-token cross-entropy over labelled (assistant) positions, projected onto
+    the vocabulary only there (:func:`~crawl2chat.stages.training.chat_data.scored_logits`)."""
+    logits, targets = scored_logits(model, batch["input_ids"], batch["labels"] != IGNORE_INDEX)
+    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+    return loss / max(1, len(targets)), len(targets)
 
 
 def build_sft_rows(tokenizer, conversations, cfg: SFTConfig) -> dict[str, Any]:
