@@ -122,6 +122,12 @@ def test_reference_questions_with_or_without_the_site_template(template):
         ("What does heapq.heappush() do?", "Push item onto heap, maintaining the heap invariant."),
     ]
     assert doc_examples(text, "http://127.0.0.1:8000/index.html") == []
+    # A module without a docstring: the page lists the modules it imports where the
+    # purpose would be; that is no answer to what the module is for.
+    text = _reference_page("colorizer", "builtins\nkeyword\nre\ntime", {"color": "Colour the text of the editor."},
+                           template)
+    assert doc_examples(text, "http://127.0.0.1:8000/colorizer.html") == [
+        ("What does colorizer.color() do?", "Colour the text of the editor.")]
 
 
 def test_showcase_asks_reference_questions_about_pages_no_set_used(tmp_path):

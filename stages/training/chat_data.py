@@ -446,6 +446,7 @@ def _weighted_order(groups: list[str], sizes: list[int], weights: list[float], s
 QUESTION_PAGES = 0.1
 
 _SIGNATURE_RE = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)\s*$")
+_NAME_RE = re.compile(r"^[A-Za-z_][\w.]*$")
 
 
 def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple[str, str]]:
@@ -478,7 +479,11 @@ def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple
                 continue
             para.append(line)
         purpose = " ".join(para)
-        if para and len(purpose.split()) >= 3 and not _SIGNATURE_RE.match(para[0]) and not purpose.endswith(":"):
+        # A module without a docstring shows the modules it imports there instead,
+        # one name a line: a list of names, not a purpose.
+        imports = all(_NAME_RE.match(line) for line in para)
+        if (para and len(purpose.split()) >= 3 and not imports and not _SIGNATURE_RE.match(para[0])
+                and not purpose.endswith(":")):
             out.append((f"What is the {module} module for?", purpose[:max_chars]))
     for i, line in enumerate(lines[:-1]):
         m = _SIGNATURE_RE.match(line)
