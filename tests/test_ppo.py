@@ -122,6 +122,51 @@ def models(tmp_path_factory):
     return {"root": root, "base": base, "sft": root / "sft" / "model", "rm": root / "rm" / "model", "prompts": prompts}
 
 
+def test_draw_follows_the_probabilities_and_never_draws_an_impossible_token():
+    from crawl2chat.stages.inference.generation import draw
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0]).repeat(40_000, 1) * 0.999  # rows need not sum to one
+    tokens = draw(probs, torch.Generator().manual_seed(0))
+    share = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert share[1] == 0 and share[4] == 0
+    assert torch.allclose(share, torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0]), atol=0.01)
+
+
+def test_batched_sampling_of_left_padded_prompts_matches_greedy_generate(models):
+    """At a temperature near zero the sampler is greedy: each left-padded row continues as
+    ``generate`` continues it (positions, mask and KV cache line up), and a row that ends
+    continues with padding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from crawl2chat.stages.inference.generation import NonFiniteLogits, sample_batch
+    from crawl2chat.stages.training.chat_data import encode_prompt, load_prompts, pad
+
+    tok = AutoTokenizer.from_pretrained(models["sft"])
+    model = AutoModelForCausalLM.from_pretrained(models["sft"]).eval()
+    msgs, _ = load_prompts(models["prompts"])
+    prompts = [encode_prompt(tok, m) for m in msgs[:3] + msgs[-1:]]  # the last, "hi", is shorter
+    ids = pad(prompts, tok.pad_token_id, left=True)
+    mask = pad([[1] * len(p) for p in prompts], 0, ids.shape[1], left=True)
+    assert len({len(p) for p in prompts}) > 1  # some rows are padded
+    greedy = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                            pad_token_id=tok.pad_token_id, eos_token_id=None)
+    got = sample_batch(model, ids, mask, 8, 1e-4, eos_id=-1, pad_id=tok.pad_token_id)
+    assert torch.equal(got, greedy)
+    # An end-of-answer token: that row continues with padding, the others go on.
+    eos = int(greedy[0, ids.shape[1] + 2])
+    got = sample_batch(model, ids, mask, 8, 1e-4, eos_id=eos, pad_id=tok.pad_token_id)
+    for row, ref in zip(got[:, ids.shape[1]:], greedy[:, ids.shape[1]:]):
+        ends = (ref == eos).nonzero()
+        n = int(ends[0]) + 1 if len(ends) else len(ref)
+        assert torch.equal(row[:n], ref[:n]) and (row[n:] == tok.pad_token_id).all()
+    # Non-finite scores are reported, not sampled from.
+    broken = AutoModelForCausalLM.from_pretrained(models["sft"]).eval()
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLogits):
+        sample_batch(broken, ids, mask, 4, 1.0, eos_id=-1, pad_id=tok.pad_token_id)
+
+
 def test_rollout_bookkeeping(models, tmp_path):
     from crawl2chat.stages.training.chat_data import encode_prompt, load_prompts
     from crawl2chat.stages.training.trainer import make_accelerator

@@ -191,6 +191,61 @@ def stream_tokens(model, prompt_ids: Sequence[int], params: SamplingParams,
         logits, cache = forward_with_cache(model, step, cache)
 
 
+class NonFiniteLogits(RuntimeError):
+    """A forward pass gave inf or NaN scores, so no token can be drawn."""
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``probs`` (rows need not sum exactly to one), by inverse CDF: one
+    uniform number a row. ``torch.multinomial`` draws an exponential number per vocabulary
+    entry instead (8 x 6k of them a token at PPO's rollout size: 1.3 ms a call, 5% of a
+    PPO run on a 1.6M-parameter policy)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    # right=True: the first entry whose cumulative mass exceeds u, so a zero-probability
+    # entry (flat CDF) is never drawn.
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+
+
+@torch.no_grad()
+def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 temperature: float, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Sampled continuations of a batch of left-padded prompts: ``(batch, prompt + new)``
+    token ids, where a row that has drawn ``eos_id`` continues with ``pad_id``; stops
+    early once every row has ended. Temperature only (no top-k/top-p): what PPO's
+    rollouts draw from, so that the log-probabilities it trains on are the sampling ones.
+
+    Written out rather than ``model.generate``: this loop of one cached forward and one
+    draw per token takes ~0.13 s where ``generate`` takes ~0.18 s at PPO's rollout size
+    (8 prompts, 24 tokens, a 1.6M-parameter policy), its per-step machinery (logits
+    processors, stopping criteria, cache bookkeeping) costing as much as the model.
+    Raises :class:`NonFiniteLogits` when a step's scores are not finite."""
+    batch = input_ids.shape[0]
+    mask = attention_mask.long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    from transformers import DynamicCache
+
+    cache_kw = {_cache_kwarg(model): DynamicCache(config=model.config)}  # filled in place by each forward
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **cache_kw)
+    done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+    new = []
+    for _ in range(max_new_tokens):
+        scores = out.logits[:, -1].float()
+        if not bool(torch.isfinite(scores).all()):
+            raise NonFiniteLogits("non-finite scores while sampling")
+        tok = draw(torch.softmax(scores / temperature, -1))
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        new.append(tok)
+        done |= tok == eos_id
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
+        pos = pos[:, -1:] + 1
+        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **cache_kw)
+    return torch.cat([input_ids, torch.stack(new, 1)], 1)
+
+
 @dataclass
 class TextStream:
     """Incremental detokenisation of a token stream with stop strings.

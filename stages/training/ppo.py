@@ -12,8 +12,8 @@ frozen.
 
 One PPO step (``max_steps`` of them) is:
 
-1. rollout: ``rollout_batch_size`` prompts per process, answers sampled by
-   ``generate`` with the KV cache (plain sampling at ``temperature``, no
+1. rollout: ``rollout_batch_size`` prompts per process, answers sampled with
+   the KV cache (``generation.sample_batch``: plain sampling at ``temperature``, no
    top-k/top-p, so the sampling distribution is the policy's), stopped at the
    chat template's end-of-turn marker or after ``max_new_tokens``;
 2. scoring: log-probabilities under actor and reference, critic values, the
@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
 
+from crawl2chat.stages.inference.generation import NonFiniteLogits, sample_batch
 from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
 from crawl2chat.stages.training.models import enable_grad_checkpointing, is_checkpointing
 from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
@@ -292,13 +293,9 @@ class PPORunner:
         actor = self.acc.unwrap_model(self.model).actor
         actor.eval()
         try:
-            gen = actor.generate(input_ids=p_ids, attention_mask=p_mask, do_sample=True, temperature=c.temperature,
-                                 top_k=0, top_p=1.0, max_new_tokens=c.max_new_tokens, eos_token_id=self.eot_id,
-                                 pad_token_id=self.pad_id, use_cache=True)
+            gen = sample_batch(actor, p_ids, p_mask, c.max_new_tokens, c.temperature, self.eot_id, self.pad_id)
             failed = False
-        except RuntimeError as e:  # torch.multinomial refuses inf/nan probabilities
-            if "inf" not in str(e) and "nan" not in str(e):
-                raise
+        except NonFiniteLogits:
             failed = True
         if self.any_process(failed):
             return {"unstable": "non-finite sampling probabilities"}
