@@ -159,6 +159,16 @@ def test_batched_sampling_of_left_padded_prompts_matches_greedy_generate(models)
         ends = (ref == eos).nonzero()
         n = int(ends[0]) + 1 if len(ends) else len(ref)
         assert torch.equal(row[:n], ref[:n]) and (row[n:] == tok.pad_token_id).all()
+    # Every row ends at its first token: alone, the batch stops there; while another process
+    # is still sampling (everyone_done says no), it steps on, drawing padding.
+    P = ids.shape[1]
+    first = {int(t) for t in greedy[:, P]}
+    assert len(first) == 1, first
+    alone = sample_batch(model, ids, mask, 8, 1e-4, eos_id=first.pop(), pad_id=tok.pad_token_id)
+    assert alone.shape[1] == P + 1
+    synced = sample_batch(model, ids, mask, 8, 1e-4, eos_id=int(alone[0, P]), pad_id=tok.pad_token_id,
+                          everyone_done=lambda ended: False)
+    assert synced.shape[1] == P + 8 and (synced[:, P + 1:] == tok.pad_token_id).all()
     # Non-finite scores are reported, not sampled from.
     broken = AutoModelForCausalLM.from_pretrained(models["sft"]).eval()
     with torch.no_grad():

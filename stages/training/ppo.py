@@ -293,7 +293,8 @@ class PPORunner:
         actor = self.acc.unwrap_model(self.model).actor
         actor.eval()
         try:
-            gen = sample_batch(actor, p_ids, p_mask, c.max_new_tokens, c.temperature, self.eot_id, self.pad_id)
+            gen = sample_batch(actor, p_ids, p_mask, c.max_new_tokens, c.temperature, self.eot_id, self.pad_id,
+                               everyone_done=lambda ended: not self.any_process(not ended))
             failed = False
         except NonFiniteLogits:
             failed = True
