@@ -328,6 +328,9 @@ def datatrove_side(args: argparse.Namespace) -> None:
         name = "⛏ Resiliparse"
         _requires_dependencies = ["resiliparse"]
 
+        def __init__(self, timeout: float = 1):  # abstract in datatrove's BaseExtractor
+            super().__init__(timeout)
+
         def extract(self, text: str) -> str:
             from resiliparse.extract.html2text import extract_plain_text
 
