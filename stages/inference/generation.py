@@ -129,13 +129,14 @@ def _cache_kwarg(model) -> str:
     return fwd
 
 
-def forward_with_cache(model, input_ids: torch.Tensor, cache=None):
-    """One forward pass that reads and extends the KV cache; returns ``(logits, cache)``."""
+def forward_with_cache(model, input_ids: torch.Tensor, cache=None, **kwargs):
+    """One forward pass that reads and extends the KV cache; returns ``(logits, cache)``.
+    ``kwargs`` go to the model (attention mask, position ids, ``logits_to_keep``)."""
     from transformers import DynamicCache
 
     if cache is None:
         cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(model): cache})
+    out = model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(model): cache}, **kwargs)
     new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     return out.logits, new_cache
 
@@ -191,6 +192,11 @@ def stream_tokens(model, prompt_ids: Sequence[int], params: SamplingParams,
         logits, cache = forward_with_cache(model, step, cache)
 
 
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token (padding gets 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 class NonFiniteLogits(RuntimeError):
     """A forward pass gave inf or NaN scores, so no token can be drawn."""
 
@@ -230,16 +236,12 @@ def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
     process has stopped (the process steps on until then, drawing from uniform scores)."""
     batch = input_ids.shape[0]
     mask = attention_mask.long()
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    from transformers import DynamicCache
-
-    cache_kw = {_cache_kwarg(model): DynamicCache(config=model.config)}  # filled in place by each forward
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                **cache_kw)
+    pos = positions(mask)
+    logits, cache = forward_with_cache(model, input_ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     new, failed = [], False
     for _ in range(max_new_tokens):
-        scores = out.logits[:, -1].float()
+        scores = logits[:, -1].float()
         if not bool(torch.isfinite(scores).all()):
             failed, scores = True, torch.zeros_like(scores)
         tok = draw(torch.softmax(scores / temperature, -1))
@@ -250,7 +252,7 @@ def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
             break
         mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
         pos = pos[:, -1:] + 1
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **cache_kw)
+        logits, cache = forward_with_cache(model, tok[:, None], cache, attention_mask=mask, position_ids=pos)
     if failed:
         raise NonFiniteLogits("non-finite scores while sampling")
     return torch.cat([input_ids, torch.stack(new, 1)], 1)

@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
 
-from crawl2chat.stages.inference.generation import NonFiniteLogits, sample_batch
+from crawl2chat.stages.inference.generation import NonFiniteLogits, positions, sample_batch
 from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
 from crawl2chat.stages.training.models import enable_grad_checkpointing, is_checkpointing
 from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
@@ -195,10 +195,6 @@ class ActorCritic(torch.nn.Module):
         logits = self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             use_cache=False, logits_to_keep=keep).logits
         return logits, self.values(input_ids, attention_mask, position_ids)
-
-
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, prompt_len: int, temperature: float):
