@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -152,7 +153,8 @@ def chat_command(
     model: str = typer.Option(..., "--model", "-m", help="Model folder (Hugging Face layout)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help=QUANTIZE_HELP),
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="Largest reply, in tokens."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Largest reply, in tokens; a reply never runs "
+                                    "past the model's context (oldest exchanges are forgotten to make room)."),
     temperature: float = typer.Option(0.8, "--temperature"),
     top_p: float = typer.Option(0.95, "--top-p"),
     repetition_penalty: float = typer.Option(1.2, "--repetition-penalty",
@@ -176,7 +178,12 @@ def chat_command(
         raise typer.Exit(2)
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
-    typer.echo(f"{model} ({engine.quantize}); /reset clears the conversation, /exit or Ctrl-D quits.")
+    # The room a reply is given: --max-tokens, or half the context when that is smaller,
+    # so a conversation keeps some of its past instead of one long reply filling the window.
+    room = min(params.max_new_tokens, max(1, engine.max_context // 2))
+    capped = f"; replies up to {room} tokens (the model's context is {engine.max_context})" \
+        if room < params.max_new_tokens else ""
+    typer.echo(f"{model} ({engine.quantize}){capped}; /reset clears the conversation, /exit or Ctrl-D quits.")
     while True:
         try:
             line = input("you> ")
@@ -192,11 +199,13 @@ def chat_command(
             continue
         history.append({"role": "user", "content": line})
         ids = engine.chat_prompt_ids(history)
-        while len(history) > 1 + len(start) and len(ids) + params.max_new_tokens > engine.max_context:
+        while len(history) > 1 + len(start) and len(ids) + room > engine.max_context:
             history = start + history[len(start) + 2:]  # forget the oldest exchange
             ids = engine.chat_prompt_ids(history)
         try:
-            stream = engine.stream(ids, params)
+            # A long message of its own still gets what the context leaves (at least a token).
+            reply = min(params.max_new_tokens, engine.max_context - len(ids))
+            stream = engine.stream(ids, dataclasses.replace(params, max_new_tokens=reply) if reply > 0 else params)
         except ValueError as e:
             typer.echo(f"error: {e}", err=True)
             history.pop()

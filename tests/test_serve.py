@@ -276,6 +276,13 @@ def test_chat_command_on_the_serving_path(model_dir):
                            input="hello there\n/reset\nthe king\n/exit\n")
     assert r.exit_code == 0, r.output
     assert r.output.count("bot> ") == 2 and "quantize" not in r.output
+    # The default --max-tokens (256) on a model whose context is 256 tokens: replies are
+    # given half the context, and a conversation longer than the window forgets its oldest turns.
+    full = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--temperature", "0"],
+                              input="hello there\n" + "the king and the queen " * 12 + "\nthe end\n/exit\n")
+    assert full.exit_code == 0, full.output
+    assert "replies up to 128 tokens (the model's context is 256)" in full.output
+    assert full.output.count("bot> ") == 3 and "error" not in full.output, full.output
     bad = CliRunner().invoke(app, ["chat", "--model", str(model_dir), "--top-p", "0"], input="/exit\n")
     assert bad.exit_code == 2 and "top_p" in bad.output
     missing = CliRunner().invoke(app, ["serve", "--model", str(model_dir.parent)])
