@@ -153,6 +153,23 @@ def test_malformed_requests_get_400(client, path, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
+def test_an_unset_max_tokens_fits_what_the_context_leaves(client):
+    prompt = "the king " * 28  # ~200 of the 256 tokens: the default 128 would not fit
+    ids = client.post("/generate", json={"prompt": prompt, "max_tokens": 1, "stream": False}).json()
+    room = 256 - ids["usage"]["prompt_tokens"]
+    assert 0 < room < 128
+    r = client.post("/generate", json={"prompt": prompt, "stream": False, "temperature": 0,
+                                       "repetition_penalty": 1.0})
+    assert r.status_code == 200, r.text
+    assert 1 <= r.json()["usage"]["completion_tokens"] <= room
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["total_tokens"] <= 256
+    # Asked for explicitly, the same length is refused by name.
+    r = client.post("/generate", json={"prompt": prompt, "max_tokens": 128})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_invalid_json_gets_400(client):
     r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400

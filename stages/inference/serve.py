@@ -14,7 +14,8 @@ Endpoints:
 Requests are validated before any compute: an empty prompt, a prompt plus
 ``max_tokens`` beyond the model's context or the server's limit, or sampling
 parameters out of range (``seed`` included) get a 400 with an OpenAI-style
-``{"error": {...}}`` body naming the field. Generation runs in worker threads
+``{"error": {...}}`` body naming the field. A request without ``max_tokens``
+gets at most 128 tokens, fewer when the prompt leaves less room in the context. Generation runs in worker threads
 with a KV cache (:mod:`.generation`).
 
 Limits and access control (:class:`ServerSettings`, each a flag of ``crawl2chat serve``):
@@ -544,18 +545,20 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
             raise APIError(400, f"{field} is {n_chars} characters; this server accepts at most "
                            f"{settings.max_prompt_chars} characters", field)
 
-    def check(prompt_ids: list[int], params: SamplingParams, field: str) -> None:
+    def check(prompt_ids: list[int], params: SamplingParams, field: str, fit: bool) -> None:
         limit = settings.max_prompt_tokens
         if limit is not None and len(prompt_ids) > limit:
             raise APIError(400, f"{field} is {len(prompt_ids)} tokens; this server accepts at most {limit} tokens",
                            field)
+        if fit:  # no max_tokens asked for: the default, or what the context leaves when that is less
+            params.max_new_tokens = max(1, min(params.max_new_tokens, engine.max_context - len(prompt_ids)))
         try:
             engine.check_length(prompt_ids, params.max_new_tokens)
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens" if prompt_ids else field) from None
 
     async def run(request: Request, field: str, tokenize: Callable[[], list[int]], params: SamplingParams,
-                  stream: bool, produce: Callable[[list[int], RequestControl], Any]):
+                  stream: bool, produce: Callable[[list[int], RequestControl], Any], fit: bool = False):
         """Admit the request, tokenise and check its prompt inside its slot,
         then generate: ``produce(prompt_ids, ctl)`` is the response body (in a
         worker thread) or, with ``stream``, the event iterator of a
@@ -568,7 +571,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
             held = True
             ctl.start()
             prompt_ids = await run_in_threadpool(tokenize)
-            check(prompt_ids, params, field)
+            check(prompt_ids, params, field, fit)
             ctl.check()
             if not stream:
                 return await run_in_threadpool(produce, prompt_ids, ctl)
@@ -622,7 +625,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
                         "usage": usage(prompt_ids, ts)})
 
         return await run(request, "prompt", lambda: engine.prompt_ids(req.prompt), params, req.stream,
-                         events if req.stream else whole)
+                         events if req.stream else whole, fit=not (req.max_new_tokens or req.max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -664,7 +667,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
             yield "data: [DONE]\n\n"
 
         return await run(request, "messages", lambda: engine.chat_prompt_ids(messages), params, req.stream,
-                         events if req.stream else whole)
+                         events if req.stream else whole, fit=not (req.max_completion_tokens or req.max_tokens))
 
     return app
 
