@@ -16,7 +16,9 @@ Side by side with nanoGPT (``--with-peer`` creates its venv, see ``benchmarks/pe
 nanoGPT's own ``train.py`` (the unmodified sources in ``../shared/peers/nanogpt``, run in a
 scratch copy with the same ``input.txt``) at that shape, then ours, one after the other in
 this invocation; prints tokens/s, whole-command wall time and bits per byte of both, and
-the ratios.
+the ratios, with the two figures that say why tokens/s alone misleads here: training FLOPs
+a token (a 512-token vocabulary and SwiGLU's three matrices against 65 characters and a
+GELU MLP's two) and text bytes a second (a BPE token carries a few characters).
 
     python benchmarks/bench_pretrain.py [--out DIR] [--quality-steps 2000] [--skip-quality]
         [--presets tiny,cpu-small,cpu] [--steps 30]   (--presets "" skips throughput)
@@ -72,7 +74,10 @@ def quality(out: Path, steps: int) -> dict:
                       "betas=[0.9, 0.99]", f"eval_every={max(1, steps // 4)}", "eval_batches=50",
                       f"checkpoint_every={max(1, steps // 4)}"])
     m = json.loads((run / "metrics.json").read_text())
+    train = json.loads((run / "data" / "index.json").read_text())["train"]
     return {"steps": m["steps"], "tokens_per_step": 12 * 64, "val_loss_nats_per_token": m["val_loss"],
+            "bytes_per_token": train["bytes"] / train["tokens"], "flops_per_token": m["flops_per_token"],
+            "bytes_per_second": m["tokens_per_second"] * train["bytes"] / train["tokens"],
             "val_bpb": m["val_bpb"], "nanogpt_char_reference_bpb": NANOGPT_REF_BPB,
             "train_wall_seconds": m["wall_seconds"], "wall_seconds_incl_launch": time.perf_counter() - t0,
             "params_m": m["params"] / 1e6, "tokens_per_second": m["tokens_per_second"]}
@@ -109,7 +114,13 @@ def nanogpt(out: Path, steps: int, with_peer: bool) -> dict:
     times = [float(t) for t in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", proc.stdout, re.M)][1:]
     val = [float(v) for v in re.findall(r"val loss ([\d.]+)", proc.stdout)]
     dt = statistics.median(times) / 1000
+    # Its model's training FLOPs per token by its own estimate_mfu formula (6N + 12 L H Q T),
+    # N the parameters less the position embeddings, the 65-character vocabulary included.
+    layers, width, vocab, block = 4, 128, 65, 64
+    n_params = layers * 12 * width * width + vocab * width
+    flops = 6 * n_params + 12 * layers * width * block
     return {"steps": steps, "tokens_per_step": 12 * 64, "tokens_per_second": 12 * 64 / dt,
+            "bytes_per_token": 1.0, "bytes_per_second": 12 * 64 / dt, "flops_per_token": flops,
             "val_bpb": val[-1] / math.log(2), "wall_seconds_incl_launch": wall}
 
 
@@ -158,9 +169,15 @@ def main() -> None:
     if "nanogpt" in result and "quality" in result:
         ours, peer = result["quality"], result["nanogpt"]
         result["vs_nanogpt"] = {"tokens_per_second": ours["tokens_per_second"] / peer["tokens_per_second"],
+                                "bytes_per_second": ours["bytes_per_second"] / peer["bytes_per_second"],
+                                "flops_per_second": (ours["tokens_per_second"] * ours["flops_per_token"])
+                                / (peer["tokens_per_second"] * peer["flops_per_token"]),
                                 "wall": ours["wall_seconds_incl_launch"] / peer["wall_seconds_incl_launch"],
                                 "val_bpb": {"crawl2chat": ours["val_bpb"], "nanogpt": peer["val_bpb"]}}
-        print(f"vs nanoGPT, same run: tokens/s x{result['vs_nanogpt']['tokens_per_second']:.2f}, whole command "
+        vs = result["vs_nanogpt"]
+        print(f"vs nanoGPT, same run: tokens/s x{vs['tokens_per_second']:.2f} ({ours['flops_per_token'] / 1e6:.1f} vs "
+              f"{peer['flops_per_token'] / 1e6:.1f} MFLOP a token, so FLOP/s x{vs['flops_per_second']:.2f}), text bytes/s "
+              f"x{vs['bytes_per_second']:.2f} ({ours['bytes_per_token']:.2f} bytes a BPE token, 1 a character), whole command "
               f"wall x{result['vs_nanogpt']['wall']:.2f}, bits per byte {ours['val_bpb']:.2f} vs {peer['val_bpb']:.2f}",
               flush=True)
     result["machine"]["load_average_at_end"] = os.getloadavg()

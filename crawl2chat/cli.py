@@ -183,11 +183,14 @@ def _stage_command(name: str):
     stage = STAGES[name]
 
     def command(**kw) -> None:
-        overrides = {f"{name}.out": kw.pop("out"), f"{name}.train.max_steps": kw.pop("max_steps"),
+        max_steps = kw.pop("max_steps")
+        overrides = {f"{name}.out": kw.pop("out"), f"{name}.train.max_steps": max_steps,
                      f"{name}.num_processes": kw.pop("num_processes")}
         for setting, _ in stage.options:
             overrides[f"{name}.train.{setting}"] = kw.pop(setting)
         cfg = _load(kw.pop("config"), overrides, kw.pop("set_"))
+        if max_steps is not None and getattr(getattr(cfg, name), "minutes", None) is not None:
+            getattr(cfg, name).minutes = None  # the steps asked for, not what fits in the minutes
         _prepare_services(cfg)
         from crawl2chat.flows.pipeline import stage_flow
 
@@ -283,8 +286,10 @@ def _figures(result: dict) -> list[str]:
                  f"{_fmt(result['sft'].get('val_loss'))}")
     lines.append(f"  reward model held-out pair accuracy {_fmt(result['reward'].get('eval_accuracy'))}")
     pev = ppo.get("eval") or {}
-    lines.append(f"  PPO policy   reward {_fmt(ppo.get('reward_mean_first'))} -> {_fmt(ppo.get('reward_mean_last'))}; "
-                 f"win rate vs SFT {_fmt(pev.get('eval.policy.win_rate'))} (ties count half)")
+    quarters = (f" (mean of the first {ppo['quarter']} rollouts {_fmt(ppo.get('reward_mean_first_quarter'))} -> "
+                f"of the last {ppo['quarter']} {_fmt(ppo.get('reward_mean_last_quarter'))})" if ppo.get("quarter") else "")
+    lines.append(f"  PPO policy   reward {_fmt(ppo.get('reward_mean_first'))} -> {_fmt(ppo.get('reward_mean_last'))}"
+                 f"{quarters}; win rate vs SFT {_fmt(pev.get('eval.policy.win_rate'))} (ties count half)")
     if questions := result.get("questions"):
         first = next(iter(questions.values()))
         picks = ", ".join(f"{name} {_fmt(q.get('acc_norm'))}" for name, q in questions.items())

@@ -38,7 +38,7 @@ def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str,
         stage, {name: str(Path(path).resolve()) for name, path in inputs.items()}, str(Path(section.out).resolve()),
         section.train.model_dump(mode="json"), num_processes=section.num_processes, nodes=section.nodes,
         accelerate_config=section.accelerate_config, lineage=lineage, registered_name=section.registered_name,
-        eval_data=eval_data, cpu_share=cpu_share)
+        eval_data=eval_data, cpu_share=cpu_share, minutes=getattr(section, "minutes", None))
 
 
 def side_by_side(config: Config, *stages: str) -> bool:

@@ -354,15 +354,59 @@ def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_
     return result
 
 
+SIZING_FILE = "sizing.json"
+
+
+def sized_settings(stage: str, out: str, settings: dict[str, Any], minutes: float,
+                   num_processes: int = 1) -> dict[str, Any]:
+    """``settings`` with ``max_steps`` lowered to the steps that fit in ``minutes`` here
+    (:mod:`crawl2chat.stages.training.sizing`). The decision is kept in
+    ``OUT/sizing.json`` under the other settings' digest, so a rerun or a resume on the
+    same folder trains the same steps (and finds its run folder) however the machine's
+    speed varies; new settings or minutes are timed anew."""
+    import hashlib
+
+    from crawl2chat.stages.training.sizing import steps_within, time_train_step
+
+    path = Path(out) / SIZING_FILE
+    basis = {k: v for k, v in settings.items() if k != "max_steps"}
+    key = hashlib.sha256(json.dumps([basis, settings["max_steps"], minutes, num_processes], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:16]
+    records = json.loads(path.read_text()) if path.is_file() else {}
+    record = records.get(key)
+    if record is None:
+        vocab = int(settings["vocab_size"])
+        if settings.get("tokenizer") and (Path(settings["tokenizer"]) / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            vocab = Tokenizer.from_file(str(Path(settings["tokenizer"]) / "tokenizer.json")).get_vocab_size()
+        step_seconds = time_train_step(settings, vocab, num_processes)
+        least = 2 * int(settings.get("warmup_steps") or 0) or 1
+        record = {"steps": steps_within(minutes, step_seconds, int(settings["max_steps"]), least),
+                  "step_seconds": step_seconds, "minutes": minutes, "max_steps": settings["max_steps"]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{SIZING_FILE}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**records, key: record}, indent=2) + "\n")
+        os.replace(tmp, path)
+    fit = ("all of them fit" if record["steps"] >= record["max_steps"]
+           else f"{record['steps']} fit, of max_steps {record['max_steps']}")
+    print(f"[{stage}] {record['minutes']:g} minutes of training steps at {record['step_seconds']:.2f} s a step "
+          f"(timed here, {path}): {fit}", flush=True)
+    return {**settings, "max_steps": record["steps"]}
+
+
 def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str, Any], num_processes: int = 1,
                 accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
                 registered_name: str | None = None, eval_data: str | None = None, nodes: int = 1,
-                cpu_share: int = 1) -> dict:
+                cpu_share: int = 1, minutes: float | None = None) -> dict:
     """One training stage of the registry, recorded: launch, metrics, model, registration,
     evaluation. ``nodes`` > 1: launched over that many machines of the Ray cluster.
     ``cpu_share``: stages training side by side on this machine's CPU (each rank takes
-    that share of the cores)."""
+    that share of the cores). ``minutes``: ``max_steps`` lowered to what fits in that
+    many minutes of this machine (:func:`sized_settings`)."""
     spec = STAGES[stage]
+    if minutes is not None:
+        settings = sized_settings(stage, out, settings, minutes, num_processes)
 
     def launch(config_file: str, on_line: Callable, run_dir: str) -> None:
         if nodes > 1:
@@ -378,7 +422,8 @@ def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str
 
     summary = record_training(stage, out, settings, launch, inputs, lineage, registered_name, artifact_dirs,
                               evaluate=_evaluation(stage, inputs, settings, eval_data),
-                              params={"num_processes": num_processes, "nodes": nodes, "cpu_share": cpu_share})
+                              params={"num_processes": num_processes, "nodes": nodes, "cpu_share": cpu_share,
+                                      **({"minutes": minutes} if minutes is not None else {})})
     print(f"[{stage}] {spec.report(summary)} -> {summary['model_dir']}", flush=True)
     return summary
 

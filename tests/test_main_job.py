@@ -80,6 +80,9 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
     assert "multiple choice on held-out pages n/a" not in out and "tasks)" in out
     # Every model of the chain answers reference questions about pages no set used, as multiple choice.
     assert "the page's answer picked among 4 (per byte): base " in out and "questions on pages no set used" in out
+    # Pretraining's steps were sized to the default's minutes on this machine (all 80 fit).
+    assert "[pretrain] 3 minutes of training steps at " in out and "all of them fit" in out
+    assert pre.data.params["minutes"] == "3.0" and (tmp_path / "runs" / "pretrain" / "sizing.json").is_file()
     # The base model beats a unigram model of its training tokens on held-out pages.
     assert pre.data.metrics["val_bpb"] < pre.data.metrics["unigram_bpb"]
     assert "eval.policy.win_rate" in children["ppo"].data.metrics

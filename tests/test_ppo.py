@@ -242,6 +242,10 @@ def test_ppo_under_accelerate_raises_reward(models, tmp_path):
     assert np.mean(rewards[-4:]) > np.mean(rewards[:4]) + 1.5, rewards  # ~-0.5 -> ~3 in trial runs
     assert log[-1]["eos_rate"] >= 0.5  # answers still end: the missing-EOS penalty holds
     assert m["reward_mean_last"] == rewards[-1] and m["reward_mean_first"] == rewards[0]
+    q = m["quarter"]
+    assert q == max(1, len(rewards) // 4)
+    assert m["reward_mean_first_quarter"] == pytest.approx(np.mean(rewards[:q]))
+    assert m["reward_mean_last_quarter"] == pytest.approx(np.mean(rewards[-q:]))
     assert 0 <= m["kl_last"] < 10.0 and m["kl_last"] == log[-1]["kl"]
     assert m["policy"] == str(models["sft"].resolve()) and m["reward"] == str(models["rm"].resolve())
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

@@ -50,7 +50,9 @@ n-th failure in a row goes n-1 checkpoints further back, and more than
 
 Outputs: ``OUT/model`` (the actor, Hugging Face causal LM + tokenizer),
 ``OUT/value_model`` (the critic, sequence-classification format),
-``OUT/metrics.json`` (``reward_mean_first``, ``reward_mean_last``,
+``OUT/metrics.json`` (``reward_mean_first``, ``reward_mean_last``, and the
+means over the first and the last quarter of the rollouts, which one noisy
+batch moves less: ``reward_mean_first_quarter``, ``reward_mean_last_quarter``;
 ``kl_last``, throughput, ``policy``/``reward``/``prompts`` lineage).
 """
 
@@ -225,6 +227,7 @@ class PPOState:
     rollbacks: int = 0
     consecutive_rollbacks: int = 0
     failed_step: int = 0
+    rewards: list[float] = field(default_factory=list)  # each rollout's mean reward, in order
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -502,6 +505,7 @@ class PPORunner:
                 self.metrics.write(rec)
             first = first or rec
             last = rec
+            self.state.rewards.append(rec["reward_mean"])
             self.acc.print(f"ppo step {step}: reward {rec['reward_mean']:.3f} kl {kl:.3f} "
                            f"len {rec['response_length']:.1f} clip {rec['clip_fraction']:.3f}")
             self.state.step, self.state.kl_coef, self.state.first = step, self.kl.value, first
@@ -511,7 +515,10 @@ class PPORunner:
         wall = time.perf_counter() - t_start
         first, totals = self.state.first, self.state.totals
         busy = totals["time_generate"] + totals["time_score"] + totals["time_train"]
+        quarter = max(1, len(self.state.rewards) // 4)
         return {"steps": c.max_steps, "reward_mean_first": first["reward_mean"], "reward_mean_last": last["reward_mean"],
+                "reward_mean_first_quarter": float(np.mean(self.state.rewards[:quarter])),
+                "reward_mean_last_quarter": float(np.mean(self.state.rewards[-quarter:])), "quarter": quarter,
                 "kl_last": last["kl"], "kl_coef_last": self.kl.value, "response_length_last": last["response_length"],
                 "eos_rate_last": last["eos_rate"], "wall_seconds": wall,
                 "rollouts_per_second": (c.max_steps - start_step) / wall,
