@@ -35,6 +35,7 @@ import math
 import sys
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
@@ -50,6 +51,7 @@ NANOGPT_REF_BPB = 2.71
 
 def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: int) -> dict:
     run = out / f"{preset}-np{num_processes}"
+    shutil.rmtree(run, ignore_errors=True)  # a finished run folder would be reused, not timed
     t0 = time.perf_counter()
     launch_training("pretrain", {"data": str(data)}, str(run), max_steps=steps, num_processes=num_processes,
                     overrides=[f"preset={preset}", "vocab_size=2048", "val_fraction=0.1", "seq_len=256", "micro_batch_size=8",
@@ -67,6 +69,7 @@ def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: in
 
 def quality(out: Path, steps: int) -> dict:
     run = out / "shakespeare"
+    shutil.rmtree(run, ignore_errors=True)  # a finished run folder would be reused, not timed
     t0 = time.perf_counter()
     launch_training("pretrain", {"data": str(SHAKESPEARE)}, str(run), max_steps=steps, num_processes=1,
                     overrides=["preset=cpu-small", "vocab_size=512", "val_fraction=0.1", "seq_len=64", "micro_batch_size=12", "grad_accum=1",
@@ -92,7 +95,6 @@ def nanogpt(out: Path, steps: int, with_peer: bool) -> dict:
     the median of its per-iteration times, bits per byte from its final validation loss
     (one character is one byte in this ASCII text)."""
     import re
-    import shutil
     import statistics
     import subprocess
 
