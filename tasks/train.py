@@ -366,12 +366,24 @@ def sized_settings(stage: str, out: str, settings: dict[str, Any], minutes: floa
     speed varies; new settings or minutes are timed anew."""
     import hashlib
 
-    from crawl2chat.stages.training.sizing import steps_within, time_train_step
-
     path = Path(out) / SIZING_FILE
     basis = {k: v for k, v in settings.items() if k != "max_steps"}
     key = hashlib.sha256(json.dumps([basis, settings["max_steps"], minutes, num_processes], sort_keys=True,
                                     default=str).encode()).hexdigest()[:16]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with hold_folder(path.parent, wait=120):  # one writer of sizing.json; no two timings at once
+        record = _sizing_record(path, key, settings, minutes, num_processes)
+    fit = ("all of them fit" if record["steps"] >= record["max_steps"]
+           else f"{record['steps']} fit, of max_steps {record['max_steps']} (remove {SIZING_FILE} to time again, "
+                f"or --set {stage}.minutes=null to train them all)")
+    print(f"[{stage}] {record['minutes']:g} minutes of training steps at {record['step_seconds']:.2f} s a step "
+          f"(timed here, {path}): {fit}", flush=True)
+    return {**settings, "max_steps": record["steps"]}
+
+
+def _sizing_record(path: Path, key: str, settings: dict[str, Any], minutes: float, num_processes: int) -> dict:
+    from crawl2chat.stages.training.sizing import steps_within, time_train_step
+
     records = json.loads(path.read_text()) if path.is_file() else {}
     record = records.get(key)
     if record is None:
@@ -381,18 +393,17 @@ def sized_settings(stage: str, out: str, settings: dict[str, Any], minutes: floa
 
             vocab = Tokenizer.from_file(str(Path(settings["tokenizer"]) / "tokenizer.json")).get_vocab_size()
         step_seconds = time_train_step(settings, vocab, num_processes)
+        if steps_within(minutes, step_seconds, int(settings["max_steps"]), 1) < int(settings["max_steps"]):
+            # Fewer steps than asked for: timed once more, the faster reading kept (a busy moment
+            # of the machine would otherwise shorten this folder's runs for good).
+            step_seconds = min(step_seconds, time_train_step(settings, vocab, num_processes))
         least = 2 * int(settings.get("warmup_steps") or 0) or 1
         record = {"steps": steps_within(minutes, step_seconds, int(settings["max_steps"]), least),
                   "step_seconds": step_seconds, "minutes": minutes, "max_steps": settings["max_steps"]}
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{SIZING_FILE}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps({**records, key: record}, indent=2) + "\n")
         os.replace(tmp, path)
-    fit = ("all of them fit" if record["steps"] >= record["max_steps"]
-           else f"{record['steps']} fit, of max_steps {record['max_steps']}")
-    print(f"[{stage}] {record['minutes']:g} minutes of training steps at {record['step_seconds']:.2f} s a step "
-          f"(timed here, {path}): {fit}", flush=True)
-    return {**settings, "max_steps": record["steps"]}
+    return record
 
 
 def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str, Any], num_processes: int = 1,
