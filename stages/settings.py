@@ -193,7 +193,8 @@ def _demo_pretrain() -> PretrainConfig:
     # Sized for the embedded default: ~5 MB of documentation text (~1.7M training tokens)
     # and a 2-core laptop: a 1.4M-parameter model sees up to ~1.6M tokens (800 steps of
     # 8 x 256, about one pass), two evaluations of 40 batches included, at its preset's
-    # learning rate (6e-3); PretrainStage.minutes lowers the steps on a slower machine.
+    # learning rate (6e-3); `crawl2chat run` lowers the steps on a slower machine
+    # (PretrainStage.minutes).
     # Measured on one corpus and split: 480 steps end at 1.64 held-out bits per byte,
     # 800 at 1.38; at the same ~1M tokens, 480 steps of 8 rows beat 240 of 16 (1.80 vs 1.96).
     return PretrainConfig(preset="cpu-small", vocab_size=4096, seq_len=256, micro_batch_size=8, max_steps=800,
@@ -223,11 +224,12 @@ class PretrainStage(TrainStage):
     registered_name: str | None = STAGES["pretrain"].registered_name
     train: PretrainConfig = Field(default_factory=_demo_pretrain, description="Training settings.")
     minutes: float | None = Field(
-        3.0, gt=0,
+        None, gt=0,
         description="Minutes of training steps on this machine: before the run, its training step is timed here "
                     "(crawl2chat.stages.training.sizing) and max_steps lowered to the steps that fit, never raised; "
                     "decided once per out folder (sizing.json), so reruns and resumes keep it. Evaluations and "
-                    "start-up come on top. None: max_steps as set (`crawl2chat pretrain --max-steps` sets None).")
+                    "start-up come on top. None: max_steps as set. `crawl2chat run`'s default preset sets 3; "
+                    "`crawl2chat pretrain --max-steps` sets None.")
 
 
 def _demo(cls, **fields):
@@ -347,9 +349,10 @@ class Config(BaseModel):
 # before --set, with the wall time to expect (measured shapes; see the README).
 RUN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "default": ("about 5 minutes on 2 recent CPU cores (AVX-512): pretraining's steps at most 3 minutes on any machine "
-                "(fewer steps on a slower one), the other stages up to twice as long on older AVX2-only ones", {}),
+                "(fewer steps on a slower one), the other stages up to twice as long on older AVX2-only ones",
+                {"pretrain.minutes": 3.0}),
     "large": ("about 2-3 hours on 2 CPU cores (a 5.6M-parameter model on ~25M tokens); 10-15 minutes on one GPU", {
-        "pretrain.minutes": None, "data.crawl.max_pages": 3000, "demo_sets.examples": 2000,
+        "data.crawl.max_pages": 3000, "demo_sets.examples": 2000,
         "pretrain.train.preset": "cpu", "pretrain.train.vocab_size": 8192, "pretrain.train.seq_len": 512,
         "pretrain.train.micro_batch_size": 16, "pretrain.train.max_steps": 3000, "pretrain.train.lr": 1e-3,
         "pretrain.train.min_lr": 1e-4, "pretrain.train.warmup_steps": 200, "pretrain.train.eval_every": 500,
@@ -357,7 +360,7 @@ RUN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "sft.train.max_steps": 400, "reward.train.max_steps": 300, "ppo.train.max_steps": 60,
     }),
     "gpu": ("several hours on a CPU; about 30-60 minutes on one recent GPU (GPT-2-small shape, 124M parameters)", {
-        "pretrain.minutes": None, "data.crawl.max_pages": 3000, "demo_sets.examples": 2000,
+        "data.crawl.max_pages": 3000, "demo_sets.examples": 2000,
         "pretrain.train.preset": "124m", "pretrain.train.vocab_size": 16384, "pretrain.train.seq_len": 1024,
         "pretrain.train.micro_batch_size": 16, "pretrain.train.grad_accum": 4, "pretrain.train.max_steps": 2000,
         "pretrain.train.lr": 6e-4, "pretrain.train.min_lr": 6e-5, "pretrain.train.warmup_steps": 200,

@@ -49,9 +49,10 @@ def test_sized_settings_lowers_max_steps_and_keeps_its_decision(tmp_path, capsys
     assert len(json.loads((tmp_path / SIZING_FILE).read_text())) == 2
 
 
-def test_the_presets_that_set_their_steps_turn_the_minutes_off():
+def test_only_the_main_jobs_default_preset_sizes_by_minutes():
     from crawl2chat.stages.settings import RUN_PRESETS
 
-    assert Config().pretrain.minutes == 3.0
+    assert Config().pretrain.minutes is None  # a stage command or flow trains the steps it is given
+    assert RUN_PRESETS["default"][1]["pretrain.minutes"] == 3.0
     for name in ("large", "gpu"):
-        assert RUN_PRESETS[name][1]["pretrain.minutes"] is None
+        assert "pretrain.minutes" not in RUN_PRESETS[name][1]

@@ -78,8 +78,8 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         prepare_on_host=True,
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, 124m, 1b."),),
-        max_steps_help="Optimizer steps, all of them (unset: at most pretrain.train.max_steps, as many as fit in "
-                       "pretrain.minutes of this machine).",
+        max_steps_help="Optimizer steps, all of them (unset: pretrain.train.max_steps, or as many of them as fit "
+                       "in pretrain.minutes of this machine when that is set).",
     ),
     TrainingStage(
         name="sft",
