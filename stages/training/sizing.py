@@ -1,7 +1,7 @@
 """How many pretraining steps fit in a few minutes of this machine.
 
-A fixed step count that suits a recent CPU runs for twice as long on an older one
-(AVX2 without AVX-512 does about half the fp32 matmul work a second), so a job with
+A fixed step count that suits a recent CPU runs two or three times as long on an older
+one (AVX2 without AVX-512 does a half to a third of the fp32 matmul work a second), so a job with
 a wall-clock budget, such as the embedded default, gives pretraining minutes
 instead: :func:`time_train_step` times the real training step of the model the run
 will build (its preset, vocabulary and batch shape; forward, backward and a fused
@@ -22,8 +22,8 @@ def time_train_step(settings: dict[str, Any], vocab_size: int, num_processes: in
     """Seconds of one optimizer step (``grad_accum`` micro-batches of
     ``micro_batch_size`` x ``seq_len`` tokens) of a freshly built ``preset`` model in
     fp32, on the first GPU when there is one, else on the CPU threads one of
-    ``num_processes`` training processes gets, with the
-    pretraining stage's own loss (:func:`~crawl2chat.stages.training.pretrain.causal_lm_loss`)."""
+    ``num_processes`` training processes gets, with the pretraining stage's own loss
+    (:func:`~crawl2chat.stages.training.pretrain.causal_lm_loss`)."""
     import torch
 
     from crawl2chat.stages.training.models import build_model, model_config
