@@ -203,9 +203,10 @@ def chat_command(
             history = start + history[len(start) + 2:]  # forget the oldest exchange
             ids = engine.chat_prompt_ids(history)
         try:
-            # A long message of its own still gets what the context leaves (at least a token).
-            reply = min(params.max_new_tokens, engine.max_context - len(ids))
-            stream = engine.stream(ids, dataclasses.replace(params, max_new_tokens=reply) if reply > 0 else params)
+            # A long message of its own still gets what the context leaves; one that fills it
+            # is refused by the engine's length check, naming both lengths.
+            reply = max(1, min(params.max_new_tokens, engine.max_context - len(ids)))
+            stream = engine.stream(ids, dataclasses.replace(params, max_new_tokens=reply))
         except ValueError as e:
             typer.echo(f"error: {e}", err=True)
             history.pop()
