@@ -224,6 +224,50 @@ def test_rollout_bookkeeping(models, tmp_path):
         assert runner.rm(input_ids=ids).logits[0, 0].item() == pytest.approx(ro["scores"][i].item(), abs=1e-4)
 
 
+def test_side_by_side_update_gives_the_joint_gradients(models, tmp_path):
+    """On a CPU the actor's and the critic's halves of a PPO step run on two threads;
+    the gradients must be the joint loss's, and the step's statistics the same."""
+    from crawl2chat.stages.training.chat_data import encode_prompt, load_prompts
+    from crawl2chat.stages.training.ppo import SideBySide
+    from crawl2chat.stages.training.trainer import make_accelerator
+    from transformers import AutoTokenizer
+
+    cfg = PPOConfig(rollout_batch_size=4, micro_batch_size=2, max_new_tokens=6, max_steps=1, seed=5)
+    tok = AutoTokenizer.from_pretrained(models["base"])
+    prompts = [encode_prompt(tok, m) for m in load_prompts(models["prompts"])[0]]
+    runner = PPORunner(cfg, make_accelerator(cfg), str(models["base"]), str(models["rm"]), prompts, tmp_path)
+    if torch.get_num_threads() >= 2:  # a CPU, one process, fp32, two or more threads: side by side
+        assert runner.side_by_side.threads == torch.get_num_threads() // 2
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        assert runner.side_by_side is None
+        runner.side_by_side = SideBySide(ThreadPoolExecutor(1), 1)
+    ro = runner.rollout(1)
+    ro["adv"] = ro["adv"] + 0.3  # a rollout's own advantages can be near zero for a fresh policy
+    idx = torch.tensor([0, 3])
+    runner.model.train()
+
+    def grads(side_by_side):
+        runner.side_by_side = side_by_side
+        runner.optimizer.zero_grad(set_to_none=True)
+        out = runner.forward_backward_step(ro, idx, 0.5)
+        return out, {n: p.grad.clone() for n, p in runner.model.named_parameters() if p.grad is not None}
+
+    pool = runner.side_by_side
+    joint, g_joint = grads(None)
+    split, g_split = grads(pool)
+    pool.pool.shutdown()
+    assert set(g_joint) == set(g_split) and any(n.startswith("actor.") for n in g_joint) \
+        and any(n.startswith("critic.") for n in g_joint)
+    for n in g_joint:
+        assert torch.allclose(g_joint[n], g_split[n], rtol=1e-5, atol=1e-7), n
+    assert set(joint) == set(split)
+    for k in joint:
+        assert joint[k].item() == pytest.approx(split[k].item(), rel=1e-5, abs=1e-7), k
+    assert any(g.abs().sum() > 0 for n, g in g_split.items() if n.startswith("critic."))
+
+
 @pytest.mark.slow
 def test_ppo_under_accelerate_raises_reward(models, tmp_path):
     out = tmp_path / "ppo"
