@@ -130,6 +130,30 @@ def test_reference_questions_with_or_without_the_site_template(template):
         ("What does colorizer.color() do?", "Colour the text of the editor.")]
 
 
+def test_a_call_and_its_result_is_no_answer():
+    """C functions' docstrings open with their call and result ("S.rfind(sub) -> int");
+    the answer is what follows it, on that line or below, or there is no question."""
+    from crawl2chat.stages.training.chat_data import doc_examples
+
+    text = "\n".join([
+        "mystr\xa0(version 1.0)\t\tindex", "(built-in)", "", "Strings\xa0for\xa0people\xa0and\xa0programs.", "",
+        "rfind(...)", "S.rfind(sub[,\xa0start[,\xa0end]])\xa0->\xa0int", "",
+        "Return\xa0the\xa0highest\xa0index\xa0in\xa0S\xa0where\xa0substring\xa0sub\xa0is\xa0found,",
+        "clear(...)", "D.clear()\xa0->\xa0None.\xa0\xa0Remove\xa0all\xa0items\xa0from\xa0D.",
+        "index(...)", "L.index(value)\xa0->\xa0integer\xa0--\xa0return\xa0first\xa0index\xa0of\xa0value.",
+        "rindex(...)", "S.rindex(sub[,\xa0start[,\xa0end]])\xa0->\xa0int",
+        "rjust(self, width, fillchar=' ', /)", "Return\xa0a\xa0right-justified\xa0string\xa0of\xa0length\xa0width.",
+        "pack(format, v1)", "pack(format,\xa0v1,\xa0v2,\xa0...)\xa0->\xa0bytes",
+    ])
+    assert doc_examples(text, "http://127.0.0.1:8000/mystr.html") == [
+        ("What is the mystr module for?", "Strings for people and programs."),
+        ("What does mystr.rfind() do?", "Return the highest index in S where substring sub is found,"),
+        ("What does mystr.clear() do?", "Remove all items from D."),
+        ("What does mystr.index() do?", "Return first index of value."),
+        ("What does mystr.rjust() do?", "Return a right-justified string of length width."),
+    ]
+
+
 def test_showcase_asks_reference_questions_about_pages_no_set_used(tmp_path):
     shards = tmp_path / "corpus" / "shards"
     shards.mkdir(parents=True)

@@ -447,13 +447,37 @@ QUESTION_PAGES = 0.1
 
 _SIGNATURE_RE = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)\s*$")
 _NAME_RE = re.compile(r"^[A-Za-z_][\w.]*$")
+# A C function's docstring opens with its call and result: "S.rfind(sub[, start]) -> int",
+# "D.clear() -> None. Remove all items from D.", "L.index(value) -> integer -- return first index".
+_CALL_RESULT_RE = re.compile(r"^[A-Za-z_][\w.]*\(.*\)\s*-{1,2}>\s*")
+_AFTER_RESULT_RE = re.compile(r"\.\s+|\s+--?\s+")
+
+
+def _says_what_it_does(line: str) -> bool:
+    return len(line.split()) >= 4 and not line.endswith(":") and not _SIGNATURE_RE.match(line)
+
+
+def _function_answer(lines: list[str], i: int) -> str | None:
+    """What the function whose signature is ``lines[i]`` does: the line under it, or,
+    where that line is a call and its result (a C function's docstring), the words after
+    the result on that line or the next line of text below it. None when there is none."""
+    line = lines[i + 1]
+    call = _CALL_RESULT_RE.match(line)
+    if not call:
+        return line if _says_what_it_does(line) else None
+    parts = _AFTER_RESULT_RE.split(line[call.end():], maxsplit=1)
+    if len(parts) == 2 and _says_what_it_does(parts[1]):
+        return parts[1][:1].upper() + parts[1][1:]
+    below = next((x for x in lines[i + 2:i + 4] if x), "")
+    return below if _says_what_it_does(below) and not _CALL_RESULT_RE.match(below) else None
 
 
 def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple[str, str]]:
     """Questions a reference page answers, with its own words as the answers:
     ``What is the X module for?`` (the docstring under "Module Reference") and
-    ``What does X.f() do?`` (the line under each ``f(args)`` signature). Pages of the
-    Python documentation server have this shape; other pages give none."""
+    ``What does X.f() do?`` (the line under each ``f(args)`` signature, past a call and
+    its result such as ``S.rfind(sub) -> int``, which says nothing a person would answer).
+    Pages of the Python documentation server have this shape; other pages give none."""
     module = None
     if url:
         tail = url.rstrip("/").rsplit("/", 1)[-1]
@@ -487,10 +511,9 @@ def doc_examples(text: str, url: str | None, max_chars: int = 300) -> list[tuple
             out.append((f"What is the {module} module for?", purpose[:max_chars]))
     for i, line in enumerate(lines[:-1]):
         m = _SIGNATURE_RE.match(line)
-        nxt = lines[i + 1]
-        if (m and not m.group(1).startswith("_") and len(nxt.split()) >= 4 and not nxt.endswith(":")
-                and not _SIGNATURE_RE.match(nxt)):
-            out.append((f"What does {module}.{m.group(1)}() do?", nxt[:max_chars]))
+        answer = _function_answer(lines, i) if m and not m.group(1).startswith("_") else None
+        if answer:
+            out.append((f"What does {module}.{m.group(1)}() do?", answer[:max_chars]))
     return out
 
 
