@@ -211,6 +211,10 @@ def test_rollout_bookkeeping(models, tmp_path):
         lp, ent = answer_logprobs(logits, ro["seq"], P, cfg.temperature)
         every, _ = runner.model(ro["seq"], ro["attn"], ro["pos"])  # every position's logits: the same answer
         assert torch.allclose(answer_logprobs(every, ro["seq"], P, cfg.temperature)[0], lp, atol=1e-5)
+        # The rollout's log-probabilities are the sampling pass's: those of a whole forward
+        # pass within float noise on the answer, 0 past its end.
+        assert torch.allclose(lp[mask.bool()], ro["logprobs"][mask.bool()], atol=1e-4)
+        assert (ro["logprobs"][~mask.bool()] == 0).all()
         out = ppo_losses(lp, values[:, P - 1:-1], ent, ro["logprobs"], ro["values"], ro["adv"], ro["returns"],
                          mask, 0.2, 0.2, 0.5, 0.0)
     assert out["approx_kl"].item() < 1e-10 and out["clip_fraction"].item() == 0.0

@@ -216,11 +216,13 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 @torch.no_grad()
 def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
                  temperature: float, eos_id: int, pad_id: int,
-                 everyone_done: Callable[[bool], bool] = bool) -> torch.Tensor:
+                 everyone_done: Callable[[bool], bool] = bool, with_logprobs: bool = False):
     """Sampled continuations of a batch of left-padded prompts: ``(batch, prompt + new)``
     token ids, where a row that has drawn ``eos_id`` continues with ``pad_id``; stops
     early once every row has ended. Temperature only (no top-k/top-p): what PPO's
     rollouts draw from, so that the log-probabilities it trains on are the sampling ones.
+    ``with_logprobs``: also each drawn token's log-probability under the distribution it
+    was drawn from, ``(batch, new)`` (a padding token's is meaningless), as a pair.
 
     ``everyone_done(ended_here)``: whether every process's rows have ended. With several
     processes it must be a collective: where a forward pass is one (FSDP gathers each
@@ -239,12 +241,15 @@ def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
     pos = positions(mask)
     logits, cache = forward_with_cache(model, input_ids, attention_mask=mask, position_ids=pos, logits_to_keep=1)
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
-    new, failed = [], False
+    new, logps, failed = [], [], False
     for _ in range(max_new_tokens):
         scores = logits[:, -1].float()
         if not bool(torch.isfinite(scores).all()):
             failed, scores = True, torch.zeros_like(scores)
-        tok = draw(torch.softmax(scores / temperature, -1))
+        probs = torch.softmax(scores / temperature, -1)
+        tok = draw(probs)
+        if with_logprobs:
+            logps.append(torch.log_softmax(scores / temperature, -1).gather(-1, tok[:, None])[:, 0])
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         new.append(tok)
         done |= tok == eos_id
@@ -255,7 +260,8 @@ def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
         logits, cache = forward_with_cache(model, tok[:, None], cache, attention_mask=mask, position_ids=pos)
     if failed:
         raise NonFiniteLogits("non-finite scores while sampling")
-    return torch.cat([input_ids, torch.stack(new, 1)], 1)
+    ids = torch.cat([input_ids, torch.stack(new, 1)], 1)
+    return (ids, torch.stack(logps, 1)) if with_logprobs else ids
 
 
 @dataclass

@@ -16,8 +16,8 @@ One PPO step (``max_steps`` of them) is:
    the KV cache (``generation.sample_batch``: plain sampling at ``temperature``, no
    top-k/top-p, so the sampling distribution is the policy's), stopped at the
    chat template's end-of-turn marker or after ``max_new_tokens``;
-2. scoring: log-probabilities under actor and reference, critic values, the
-   reward model's score of prompt + answer;
+2. scoring: log-probabilities under the reference (the actor's are those the
+   answers were drawn with), critic values, the reward model's score of prompt + answer;
 3. rewards per answer token: ``-kl_coef * (log pi - log ref)``, plus the score
    on the last token (the end-of-turn marker), plus ``missing_eos_penalty``
    when the answer never ended; ``kl_coef`` fixed or adapted towards
@@ -359,8 +359,9 @@ class PPORunner:
         actor = self.acc.unwrap_model(self.model).actor
         actor.eval()
         try:
-            gen = sample_batch(actor, p_ids, p_mask, c.max_new_tokens, c.temperature, self.eot_id, self.pad_id,
-                               everyone_done=lambda ended: not self.any_process(not ended))
+            gen, drawn_logprobs = sample_batch(actor, p_ids, p_mask, c.max_new_tokens, c.temperature, self.eot_id,
+                                               self.pad_id, everyone_done=lambda ended: not self.any_process(not ended),
+                                               with_logprobs=True)
             failed = False
         except NonFiniteLogits:
             failed = True
@@ -380,9 +381,12 @@ class PPORunner:
         t1 = time.perf_counter()
 
         self.model.eval()
-        logits, values = self.model(seq, attn, pos, answer_from=P)
-        logprobs, _ = answer_logprobs(logits, seq, P, c.temperature)
-        values = values[:, P - 1:-1]
+        # The policy's log-probabilities are those the answers were drawn with (a forward
+        # pass over the whole sequence gives the same to ~1e-6); past an answer's end, 0, so
+        # that a padding position's ratio stays finite where the mask drops it.
+        logprobs = F.pad(drawn_logprobs, (0, c.max_new_tokens - drawn_logprobs.shape[1]))
+        logprobs = torch.where(r_mask.bool(), logprobs, 0.0)
+        values = self.acc.unwrap_model(self.model).values(seq, attn, pos)[:, P - 1:-1]
         ref_logits = self.ref(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False,
                               logits_to_keep=seq.shape[1] - P + 1).logits
         ref_logprobs, _ = answer_logprobs(ref_logits, seq, P, c.temperature)
