@@ -264,7 +264,8 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     t_ray = time.time()
-    ensure_ray(num_cpus=args.workers)
+    if args.engine == "ray":
+        ensure_ray(num_cpus=args.workers)
     t_ready = time.time()
 
     steps = []
@@ -278,7 +279,7 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
                       "dropped": res.dropped})
         return res
 
-    ex = timed("extract", lambda: dp.extract_step(files, str(work), cfg.data.extract))
+    ex = timed("extract", lambda: dp.extract_step(files, str(work), cfg.data.extract, engine_name=args.engine))
     steps[-1]["docs"] = ex.kept  # documents produced
     steps[-1]["bytes"] = sum(os.path.getsize(f) for f in files)  # WARC bytes read (gzipped)
     up = ex
@@ -286,7 +287,7 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
                         ("quality", dp.quality_step, cfg.data.quality),
                         ("dedup", dp.dedup_step, cfg.data.dedup)):
         prev_kept = up.kept
-        up = timed(name, lambda: fn(up, str(work), c))
+        up = timed(name, lambda: fn(up, str(work), c, engine_name=args.engine))
         steps[-1]["docs"] = prev_kept  # documents in
         steps[-1]["bytes"] = up.bytes_in  # text bytes of those documents
     out = {"steps": steps, "startup": {"imports": t_ray - t_import, "ray_init": t_ready - t_ray},
@@ -478,6 +479,8 @@ def main() -> None:
                     "dolma and resiliparse samples under /work/shared/data/warc")
     ap.add_argument("--scales", default="1,4,16", help="comma-separated replication factors")
     ap.add_argument("--extractor", choices=["trafilatura", "resiliparse"], default="trafilatura")
+    ap.add_argument("--engine", choices=["ray", "local"], default="ray",
+                    help="crawl2chat's data engine: Ray Data on --workers CPUs, or in-process (one core)")
     ap.add_argument("--workers", type=int, default=2, help="Ray CPUs / datatrove worker processes")
     ap.add_argument("--bench-python", default=None, help="python of a datatrove venv (default: the peer venv "
                     "benchmarks/peers.py keeps)")
@@ -545,7 +548,8 @@ def main() -> None:
                 res_path = root / f"{side}-{scale}x.json"
                 cmd = [py, str(Path(__file__).resolve()), "--_side", side, "--_corpus", str(corpus),
                        "--_work", str(root / f"work-{side}-{scale}x"), "--_result", str(res_path),
-                       "--_lid", lid, "--extractor", args.extractor, "--workers", str(args.workers)]
+                       "--_lid", lid, "--extractor", args.extractor, "--workers", str(args.workers),
+                       "--engine", args.engine]
                 for attempt in range(args.retries + 1):
                     try:
                         results[scale][side] = run_side(cmd, res_path, root / f"{side}-{scale}x.log", env)

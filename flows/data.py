@@ -1,8 +1,9 @@
 """The data flow: crawl or read WARC/WET -> extract -> langid -> quality -> dedup
 -> balance -> (augment) -> shards, rejected/, manifest.json -> review sample.
 
-Each step is a Prefect task running a Ray Data job and recorded as an MLflow child
-run under one parent run. Steps whose inputs and settings are unchanged are
+Each step is a Prefect task running a Ray Data job (or, for a small input, the same
+operations in this process: :mod:`~crawl2chat.stages.data.engine`) and recorded as
+an MLflow child run under one parent run. Steps whose inputs and settings are unchanged are
 skipped, so re-triggering a flow after a failure resumes where it stopped.
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from prefect import flow
 
+from crawl2chat.stages.data.engine import choose as choose_engine
 from crawl2chat.stages.data.versions import remove_leftovers
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.settings import Config, apply_profile
@@ -22,10 +24,17 @@ from crawl2chat.tasks import data as t
 
 def build_settings(data) -> dict:
     """The data settings that shape a version's content (not where it is written)."""
-    exclude = {"out", "inputs", "seed_urls", "refresh", "crawl", "review"}
+    exclude = {"out", "inputs", "seed_urls", "refresh", "crawl", "review", "engine", "local_max_mb"}
     if not data.augment.enabled:  # augmentation off: versions built before it existed stay up to date
         exclude.add("augment")
     return data.model_dump(mode="json", exclude=exclude)
+
+
+def engine_line(engine: str, setting: str) -> str:
+    """How the build line names the engine and why it was picked."""
+    if engine == "local":
+        return "in this process" + (" (small input; data.engine=ray to use Ray)" if setting == "auto" else "")
+    return "on Ray"
 
 
 def with_refresh(config: Config, refresh: bool) -> Config:
@@ -73,17 +82,18 @@ def _build(config: Config, out: str) -> dict:
             t.review_task(out, data.review)
         return manifest
     what = f"refresh: {len(plan.files)} new input files" if plan.refresh else f"{len(plan.files)} input files"
-    print(f"[data] building {plan.name} ({what}) -> {out}", flush=True)
+    engine = choose_engine(data.engine, plan.files, data.local_max_mb)
+    print(f"[data] building {plan.name} ({what}) -> {out} [{engine_line(engine, data.engine)}]", flush=True)
     work = plan.work_dir
-    extracted = t.extract_task(plan.files, work, data.extract)
-    identified = t.langid_task(extracted, work, data.langid)
-    filtered = t.quality_task(identified, work, data.quality)
-    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards)
-    balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"))
+    extracted = t.extract_task(plan.files, work, data.extract, engine)
+    identified = t.langid_task(extracted, work, data.langid, engine)
+    filtered = t.quality_task(identified, work, data.quality, engine)
+    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards, engine)
+    balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"), engine)
     results = [extracted, identified, filtered, deduped, balanced]
     if data.augment.enabled:
-        results.append(t.augment_task(balanced, work, data.augment))
-    manifest = t.write_task(results, out, data.shard_bytes, config.model_dump(mode="json"), plan)
+        results.append(t.augment_task(balanced, work, data.augment, engine))
+    manifest = t.write_task(results, out, data.shard_bytes, config.model_dump(mode="json"), plan, engine)
     t.review_task(out, data.review)
     return manifest
 

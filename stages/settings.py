@@ -159,6 +159,18 @@ class DataConfig(BaseModel):
     shard_bytes: int = Field(
         128 * 2**20, gt=0, description="Upper bound of text bytes per Parquet shard."
     )
+    engine: Literal["auto", "ray", "local"] = Field(
+        "auto",
+        description="Where the steps run: 'ray' (Ray Data, on a local instance or the cluster named by RAY_ADDRESS), "
+        "'local' (in this process, on one core: no Ray start-up or scheduling, the whole step in memory), 'auto' "
+        "('local' for input files of at most local_max_mb in all when RAY_ADDRESS is unset, else 'ray'). Both "
+        "give the same dataset version.",
+    )
+    local_max_mb: float = Field(
+        32.0, gt=0,
+        description="With engine 'auto': the most megabytes of input files (WARC/WET as stored, gzipped or not) "
+        "built in this process; larger inputs go to Ray.",
+    )
     refresh: bool = Field(
         False,
         description="Add a version to the dataset in `out`: read only input files no earlier version read "

@@ -182,15 +182,18 @@ def _step_task(name: str):
 
 def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None]], StepResult],
                    extra_logging: Callable[[StepResult], None] | None = None,
-                   total: int | None = None, files: int | None = None, then: str | None = None) -> StepResult:
-    """Run one Ray Data step inside its MLflow child run and print its line.
+                   total: int | None = None, files: int | None = None, then: str | None = None,
+                   engine: str = "ray") -> StepResult:
+    """Run one data step inside its MLflow child run and print its line; ``engine``
+    (:mod:`~crawl2chat.stages.data.engine`) is where its dataset operations run.
 
     ``run`` gets the step's ``on_count``: while the job runs, the documents it has
     processed (of ``total``, when known; and input files done, of ``files``) are
     shown as a progress line (:class:`~crawl2chat.infra.progress.StepProgress`),
     with their rate and the time left; ``then`` says what the step does once every
     document is counted. A step that is already done shows none."""
-    ensure_ray()
+    if engine == "ray":
+        ensure_ray()
     progress = StepProgress("data", total, unit="documents", label=name)
 
     def files_note(done: int) -> str | None:
@@ -212,6 +215,7 @@ def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None
             final = result.rows_in if total is None else total
             progress.finish({"step": final, "note": files_note(files or 0)})
         log_step(result, params)
+        mlflow.set_tag("crawl2chat.data_engine", engine)
         if extra_logging:
             extra_logging(result)
     _print_step(result)
@@ -219,23 +223,24 @@ def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None
 
 
 @_step_task("extract")
-def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any) -> StepResult:
+def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any, engine: str = "ray") -> StepResult:
     def log_files(result: StepResult) -> None:
         mlflow.log_metric("unreadable_files", len([f for f in result.extra.get("files", []) if not f["ok"]]))
 
     return _recorded_step("extract", {"extract": extract_cfg.model_dump(), "input_files": len(files)},
-                          lambda on_count: steps.extract_step(list(files), work_dir, extract_cfg, on_count),
-                          log_files, files=len(files))
+                          lambda on_count: steps.extract_step(list(files), work_dir, extract_cfg, on_count, engine),
+                          log_files, files=len(files), engine=engine)
 
 
 @_step_task("langid")
-def langid_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+def langid_task(upstream: StepResult, work_dir: str, cfg: Any, engine: str = "ray") -> StepResult:
     return _recorded_step("langid", {"langid": cfg.model_dump()},
-                          lambda on_count: steps.langid_step(upstream, work_dir, cfg, on_count), total=upstream.kept)
+                          lambda on_count: steps.langid_step(upstream, work_dir, cfg, on_count, engine),
+                          total=upstream.kept, engine=engine)
 
 
 @_step_task("quality")
-def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+def quality_task(upstream: StepResult, work_dir: str, cfg: Any, engine: str = "ray") -> StepResult:
     def log_classifier(result: StepResult) -> None:
         """The fastText classifier used (given, trained or reused) and, when trained, its accuracy."""
         if "classifier" in result.extra:
@@ -245,13 +250,13 @@ def quality_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
                                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
     return _recorded_step("quality", {"quality": cfg.model_dump()},
-                          lambda on_count: steps.quality_step(upstream, work_dir, cfg, on_count), log_classifier,
-                          total=upstream.kept)
+                          lambda on_count: steps.quality_step(upstream, work_dir, cfg, on_count, engine),
+                          log_classifier, total=upstream.kept, engine=engine)
 
 
 @_step_task("dedup")
 def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str],
-               previous_shards: Sequence[str] = ()) -> StepResult:
+               previous_shards: Sequence[str] = (), engine: str = "ray") -> StepResult:
     def log_stats(result: StepResult) -> None:
         stats = result.extra.get("dedup", {})
         mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
@@ -262,19 +267,21 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
     return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index),
                                     "previous_shards": len(previous_shards)},
                           lambda on_count: steps.dedup_step(upstream, work_dir, cfg, previous_index, previous_shards,
-                                                            on_count),
-                          log_stats, total=upstream.kept, then="keys computed; grouping duplicates")
+                                                            on_count, engine),
+                          log_stats, total=upstream.kept, then="keys computed; grouping duplicates", engine=engine)
 
 
 @_step_task("balance")
-def balance_task(upstream: StepResult, work_dir: str, cfg: Any, prior: dict | None = None) -> StepResult:
+def balance_task(upstream: StepResult, work_dir: str, cfg: Any, prior: dict | None = None,
+                 engine: str = "ray") -> StepResult:
     return _recorded_step("balance", {"balance": cfg.model_dump()},
-                          lambda on_count: steps.balance_step(upstream, work_dir, cfg, prior, on_count),
-                          lambda result: mlflow.log_dict(result.extra, "balance.json"), total=upstream.kept)
+                          lambda on_count: steps.balance_step(upstream, work_dir, cfg, prior, on_count, engine),
+                          lambda result: mlflow.log_dict(result.extra, "balance.json"), total=upstream.kept,
+                          engine=engine)
 
 
 @_step_task("augment")
-def augment_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
+def augment_task(upstream: StepResult, work_dir: str, cfg: Any, engine: str = "ray") -> StepResult:
     def log_added(result: StepResult) -> None:
         mlflow.log_metrics({"documents_added": float(result.extra.get("documents_added", 0)),
                             "source_documents": float(result.extra.get("source_documents", 0)),
@@ -284,8 +291,8 @@ def augment_task(upstream: StepResult, work_dir: str, cfg: Any) -> StepResult:
               f"{result.extra.get('augmented') or {}}", flush=True)
 
     return _recorded_step("augment", {"augment": cfg.model_dump()},
-                          lambda on_count: steps.augment_step(upstream, work_dir, cfg, on_count), log_added,
-                          total=upstream.kept)
+                          lambda on_count: steps.augment_step(upstream, work_dir, cfg, on_count, engine), log_added,
+                          total=upstream.kept, engine=engine)
 
 
 def list_inputs(inputs: Sequence[str]) -> list[str]:
@@ -343,11 +350,12 @@ def log_dataset(manifest: dict, out_dir: str, context: str) -> None:
 
 @_step_task("write")
 def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, config: dict,
-               plan: VersionPlan | None = None) -> dict:
-    ensure_ray()
+               plan: VersionPlan | None = None, engine: str = "ray") -> dict:
+    if engine == "ray":
+        ensure_ray()
     with stage_run("write", {"shard_bytes": shard_bytes, "out": out_dir}) as run:
         try:
-            manifest = steps.write_dataset(list(results), out_dir, shard_bytes, config, plan)
+            manifest = steps.write_dataset(list(results), out_dir, shard_bytes, config, plan, engine)
         finally:
             manifest_path = Path(out_dir) / "manifest.json"
             if manifest_path.exists():

@@ -51,15 +51,20 @@ def test_a_missing_input_ends_in_one_sentence_with_the_trace_in_the_log(tmp_path
 
 
 @pytest.mark.slow
-def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path):
+@pytest.mark.parametrize("engine", ["auto", "ray"])
+def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path, engine):
+    """The default (``auto``: two small files, built in the flow's process) and Ray Data."""
     home = tmp_path / "home"
     out = tmp_path / "out"
     proc = subprocess.run(
-        CLI + ["data", "--input", str(shared_data / "warc" / "dolma"), "--out", str(out), "--set", f"home={home}"],
+        CLI + ["data", "--input", str(shared_data / "warc" / "dolma"), "--out", str(out), "--set", f"home={home}",
+               "--set", f"data.engine={engine}"],
         capture_output=True, text=True, timeout=900, env=_env(tmp_path), cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "v0001: " in proc.stdout and " documents (" in proc.stdout
+    used = "local" if engine == "auto" else "ray"
+    assert ("[in this process (small input" if used == "local" else "[on Ray]") in proc.stdout
     # Not a terminal: each step's progress comes as plain lines (documents, rate), never redrawn,
     # and Ray's notices stay in its log files.
     for step in ("extract", "langid", "quality", "dedup", "balance"):
@@ -77,6 +82,7 @@ def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path):
     children = {r.data.tags.get("crawl2chat.stage"): r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert {"extract", "langid", "quality", "dedup", "balance", "write", "review"} <= set(children)
+    assert {children[s].data.tags["crawl2chat.data_engine"] for s in ("extract", "dedup", "balance")} == {used}
     assert children["write"].data.metrics["documents_kept"] > 0
     assert children["extract"].data.metrics["documents_in"] > 0
     # Each run reads as an experiment record, with its plots beside it.

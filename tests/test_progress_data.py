@@ -1,4 +1,4 @@
-"""Each data step reports the documents its Ray Data job has processed while it runs,
+"""Each data step reports the documents its job (Ray Data or in-process) has processed while it runs,
 and in a log (no terminal) those counts become plain progress lines."""
 
 from __future__ import annotations
@@ -6,12 +6,15 @@ from __future__ import annotations
 import io
 import re
 
+import pytest
+
 from crawl2chat.infra.progress import StepProgress
 from crawl2chat.stages.data import pipeline as steps
 from crawl2chat.stages.settings import load_config
 
 
-def test_steps_count_documents_on_ray_and_show_them_in_a_log(shared_data, ray_local, tmp_path):
+@pytest.mark.parametrize("engine", ["ray", "local"])
+def test_steps_count_documents_and_show_them_in_a_log(shared_data, ray_local, tmp_path, engine):
     cfg = load_config(overrides={"data.out": str(tmp_path / "out")}).data
     files = [str(p) for p in sorted((shared_data / "warc" / "dolma").glob("*.warc.gz"))]
     work = str(tmp_path / "work")
@@ -22,7 +25,7 @@ def test_steps_count_documents_on_ray_and_show_them_in_a_log(shared_data, ray_lo
         counts[name] = []
         return counts[name].append
 
-    extracted = steps.extract_step(files, work, cfg.extract, recorder("extract"))
+    extracted = steps.extract_step(files, work, cfg.extract, recorder("extract"), engine)
     log = io.StringIO()
     progress = StepProgress("data", extracted.kept, stream=log, every=0.0, unit="documents", label="langid")
 
@@ -31,9 +34,9 @@ def test_steps_count_documents_on_ray_and_show_them_in_a_log(shared_data, ray_lo
         progress({"step": c.get("documents", 0)})
 
     recorder_list = counts.setdefault("langid", [])
-    identified = steps.langid_step(extracted, work, cfg.langid, on_count)
+    identified = steps.langid_step(extracted, work, cfg.langid, on_count, engine)
     progress.finish({"step": extracted.kept})
-    deduped = steps.dedup_step(identified, work, cfg.dedup, on_count=recorder("dedup"))
+    deduped = steps.dedup_step(identified, work, cfg.dedup, on_count=recorder("dedup"), engine_name=engine)
 
     # The tally starts empty, only grows, and ends at every document the step read.
     for name, total in (("extract", extracted.rows_in), ("langid", extracted.kept), ("dedup", identified.kept)):
@@ -51,4 +54,4 @@ def test_steps_count_documents_on_ray_and_show_them_in_a_log(shared_data, ray_lo
 
     # A step already done runs no job: no count at all.
     again: list[dict] = []
-    assert steps.langid_step(extracted, work, cfg.langid, again.append).skipped and again == []
+    assert steps.langid_step(extracted, work, cfg.langid, again.append, engine).skipped and again == []

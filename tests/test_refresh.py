@@ -71,7 +71,8 @@ def shard_digests(out) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((out / "shards").glob("*.parquet"))}
 
 
-def test_refresh_adds_only_new_and_changed_pages_as_a_new_version(prefect_api, ray_local, tmp_path):
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_refresh_adds_only_new_and_changed_pages_as_a_new_version(prefect_api, ray_local, tmp_path, engine):
     from crawl2chat.flows.data import data_flow
 
     site = Site()
@@ -84,6 +85,7 @@ def test_refresh_adds_only_new_and_changed_pages_as_a_new_version(prefect_api, r
             "data.seed_urls": [server.url + "/"],
             "data.crawl.per_host_delay_s": 0.0,
             "data.crawl.respect_robots": False,
+            "data.engine": engine,
         })
         first = data_flow(cfg)
         v1_shards = shard_digests(out)

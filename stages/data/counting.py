@@ -1,4 +1,4 @@
-"""Documents counted while a data step's Ray Data job runs.
+"""Documents counted while a data step's Ray Data job (or in-process job) runs.
 
 A step's work happens in Ray worker processes, so the driver cannot see how far
 it got. Each step wraps its per-document function (:class:`Counted`,
@@ -8,7 +8,8 @@ the job has ended is complete). While the job
 runs, :func:`counting` reads the tally every ``every`` seconds on the driver and
 hands the number to the caller's ``on_count``; the caller decides how to show it
 (the Prefect tasks draw a progress line). Without ``on_count`` there is no tally
-and the wrapped functions count nothing.
+and the wrapped functions count nothing. A step run in this process (the ``local``
+data engine) counts into a plain locked object instead of an actor.
 
 What is counted, per step: extract, the documents read out of the input files
 (and files finished); langid, quality and balance, the documents each has
@@ -54,12 +55,32 @@ def batch_rows(batch: Any) -> int:
     return len(batch)
 
 
+class _LocalTally:
+    """The tally of a step run in this process (the ``local`` data engine): no actor to call."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def add(self, name: str, n: int) -> None:
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + int(n)
+
+    def read(self) -> dict[str, int]:
+        with self.lock:
+            return dict(self.counts)
+
+
 def report(tally: Any, name: str, n: int) -> None:
     """Add ``n`` to the tally (from a Ray worker) and wait until it is recorded: calls from
     different workers are not ordered with the driver's last read, so a batch whose count
     were still in flight when its job ended would be missing from the final figure. A
     tally of ``None`` counts nothing."""
-    if tally is not None and n:
+    if tally is None or not n:
+        return
+    if isinstance(tally, _LocalTally):
+        tally.add(name, n)
+    else:
         ray.get(tally.add.remote(name, n))
 
 
@@ -89,20 +110,23 @@ class CountedClass:
 
 
 @contextmanager
-def counting(on_count: OnCount | None, every: float = 1.0) -> Iterator[Any]:
-    """A tally for the step's functions (``None`` when ``on_count`` is ``None``); its
-    counts go to ``on_count`` at the start (``{}``), every ``every`` seconds while the
-    block runs, and once more when it ends without an error. A count that cannot be read is skipped, never an error of the step."""
+def counting(on_count: OnCount | None, engine_name: str = "ray", every: float = 1.0) -> Iterator[Any]:
+    """A tally for the step's functions (``None`` when ``on_count`` is ``None``): an actor
+    for steps on Ray, a plain object for steps run in this process (``engine_name``
+    ``local``); its counts go to ``on_count`` at the start (``{}``), every ``every``
+    seconds while the block runs, and once more when it ends without an error. A count
+    that cannot be read is skipped, never an error of the step."""
     if on_count is None:
         yield None
         return
-    tally = _Tally.remote()
+    local = engine_name == "local"
+    tally = _LocalTally() if local else _Tally.remote()
     stop = threading.Event()
     on_count({})  # the step starts: nothing counted yet
 
     def send() -> None:
         try:
-            on_count(ray.get(tally.read.remote(), timeout=30))
+            on_count(tally.read() if local else ray.get(tally.read.remote(), timeout=30))
         except Exception as e:  # noqa: BLE001 - a progress line is not worth failing a step
             log.debug("progress count not read: %s", e)
 
@@ -120,4 +144,5 @@ def counting(on_count: OnCount | None, every: float = 1.0) -> Iterator[Any]:
     finally:
         stop.set()
         thread.join()
-        ray.kill(tally)
+        if not local:
+            ray.kill(tally)

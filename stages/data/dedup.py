@@ -51,7 +51,9 @@ keeps its smallest node key, and a repeated id its smallest copy key, whatever
 order Ray processes rows in, so two runs keep the same documents.
 
 ``ds`` is read twice (keys, then attach): pass a dataset read from Parquet or
-materialised, not a costly lazy chain.
+materialised, not a costly lazy chain. Written against Ray Data's API, the step
+runs on either data engine (:mod:`~crawl2chat.stages.data.engine`): the datasets it
+makes are of ``ds``'s engine.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ import xxhash
 from datasketch import MinHash
 
 from crawl2chat.stages.data.counting import Counted
+from crawl2chat.stages.data.engine import engine_of
 from crawl2chat.stages.data.text import normalize_for_hash, split_words
 from crawl2chat.stages.data.settings import MINHASH_SCHEME, DedupConfig
 
@@ -298,10 +301,10 @@ def _old_id_rows(batch: pa.Table, cfg: DedupConfig) -> pa.Table:
     return table.append_column("shard", _shard_of(ids, cfg.num_shards))
 
 
-def _load_previous_ids(paths: Sequence[str], cfg: DedupConfig) -> ray.data.Dataset | None:
+def _load_previous_ids(paths: Sequence[str], cfg: DedupConfig, eng: Any) -> ray.data.Dataset | None:
     if not paths:
         return None
-    return ray.data.read_parquet(list(paths)).select_columns(["id"]).map_batches(
+    return eng.read_parquet(list(paths)).select_columns(["id"]).map_batches(
         _old_id_rows, fn_kwargs={"cfg": cfg}, batch_format="pyarrow"
     )
 
@@ -687,7 +690,7 @@ def _apply_decisions(part: pa.Table, columns: Sequence[str]) -> pa.Table:
 # ------------------------------------------------------------------ index
 
 
-def _load_previous_index(paths: Sequence[str], cfg: DedupConfig) -> ray.data.Dataset | None:
+def _load_previous_index(paths: Sequence[str], cfg: DedupConfig, eng: Any) -> ray.data.Dataset | None:
     band_dirs = []
     for path in paths:
         fs, root = fsspec.core.url_to_fs(path)
@@ -698,7 +701,7 @@ def _load_previous_index(paths: Sequence[str], cfg: DedupConfig) -> ray.data.Dat
         band_dirs.append(f"{path.rstrip('/')}/bands")
     if not band_dirs:
         return None
-    return ray.data.read_parquet(band_dirs).map_batches(
+    return eng.read_parquet(band_dirs).map_batches(
         _index_to_keys, fn_kwargs={"cfg": cfg}, batch_format="pyarrow"
     )
 
@@ -829,7 +832,7 @@ def dedup(
     keys = ds.map_batches(Counted(_doc_keys, tally), fn_kwargs={"cfg": cfg}, batch_format="pyarrow").materialize()
     counts = _reduce_on_driver(keys, _count_docs)
     keys = keys.map_batches(_without_counters, batch_format="pyarrow")
-    old_ids = _load_previous_ids(previous_ids, cfg)
+    old_ids = _load_previous_ids(previous_ids, cfg, engine_of(ds))
     if old_ids is not None:
         keys = keys.union(old_ids)
     resolved = (
@@ -857,7 +860,7 @@ def dedup(
     if stats["repeated_records"]:
         log.info("dedup: %d repeated records (ids already read)", stats["repeated_records"])
     all_keys = keys
-    old_keys = _load_previous_index(previous_index, cfg)
+    old_keys = _load_previous_index(previous_index, cfg, engine_of(ds))
     if old_keys is not None:
         all_keys = keys.union(old_keys)
     edges = (

@@ -1,4 +1,5 @@
-"""The data stage's steps, each a Ray Data job over Parquet.
+"""The data stage's steps, each a Ray Data job over Parquet (or the same operations
+in this process, for small inputs: :mod:`~crawl2chat.stages.data.engine`).
 
 Every step reads the previous step's output folder, keeps the documents no
 earlier step dropped, runs its blocks, and writes all of its rows (kept and
@@ -32,10 +33,10 @@ from typing import Any, Callable, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import ray
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.data.counting import Counted, CountedClass, OnCount, counting, report
+from crawl2chat.stages.data.engine import RAY, engine
 from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data.versions import (
@@ -190,8 +191,9 @@ def _undropped(batch: pa.Table) -> pa.Table:
 DRIVER_READ_BYTES = 256 << 20
 
 
-def read_step(step_dir: str) -> ray.data.Dataset:
-    """All rows of a step folder, one block per Parquet file.
+def read_step(step_dir: str, engine_name: str = RAY) -> Any:
+    """All rows of a step folder, one block per Parquet file, as a dataset of the named
+    engine (:mod:`~crawl2chat.stages.data.engine`).
 
     A local folder of at most ``DRIVER_READ_BYTES`` is read here with pyarrow and
     handed to Ray as Arrow tables: ``ray.data.read_parquet`` first runs a file-listing
@@ -201,18 +203,19 @@ def read_step(step_dir: str) -> ray.data.Dataset:
     more in its memory than it already does. Larger or remote folders are read by
     Ray's workers as before.
     """
+    eng = engine(engine_name)
     files = sorted(Path(step_dir).glob("*.parquet")) if os.path.isdir(step_dir) else []
     if files and sum(f.stat().st_size for f in files) <= DRIVER_READ_BYTES:
-        return ray.data.from_arrow([pq.read_table(f) for f in files])
-    return ray.data.read_parquet(step_dir)
+        return eng.from_arrow([pq.read_table(f) for f in files])
+    return eng.read_parquet(step_dir)
 
 
-def read_kept(step_dir: str) -> ray.data.Dataset:
+def read_kept(step_dir: str, engine_name: str = RAY) -> Any:
     """The documents of a step folder that no step has dropped."""
-    return read_step(step_dir).map_batches(_undropped, batch_format="pyarrow")
+    return read_step(step_dir, engine_name).map_batches(_undropped, batch_format="pyarrow")
 
 
-def _write(ds: ray.data.Dataset, out_dir: str) -> None:
+def _write(ds: Any, out_dir: str) -> None:
     ds.write_parquet(out_dir, compression="zstd")
 
 
@@ -266,20 +269,23 @@ def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
         report(tally, "files", 1)
 
 
-def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count: OnCount | None = None) -> StepResult:
+def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count: OnCount | None = None,
+                 engine_name: str = RAY) -> StepResult:
     """WARC/WET files -> one document per response/conversion record. ``on_count``
-    (see :mod:`~crawl2chat.stages.data.counting`) gets the documents read and files finished so far."""
+    (see :mod:`~crawl2chat.stages.data.counting`) gets the documents read and files finished so far.
+    Every step runs on the engine ``engine_name`` names (:mod:`~crawl2chat.stages.data.engine`);
+    the engine is not part of a step's fingerprint: both give the same rows."""
     if not files:
         raise NothingUsableError("No input files were found to read.")
     fp = fingerprint("extract", files_fingerprint(files), extract_cfg.model_dump())
 
     def build(tmp: str) -> dict[str, Any]:
-        with counting(on_count) as tally:
+        eng = engine(engine_name)
+        with counting(on_count, engine_name) as tally:
             # A few files per task: each Ray task costs a fixed ~0.3-0.4 s to schedule and write its
             # Parquet file, a third of the step at one file per task (64 WARC files on 2 cores:
             # 36.7 s at 64 tasks, 27.7 s at 8). Four tasks per CPU still balance uneven files.
-            cpus = int(ray.cluster_resources().get("CPU", 1)) or 1
-            ds = ray.data.from_items([{"path": p} for p in files], override_num_blocks=min(len(files), 4 * cpus))
+            ds = eng.from_items([{"path": p} for p in files], min(len(files), 4 * eng.cpus()))
             ds = ds.map_batches(
                 _extract_files,
                 batch_size=1,
@@ -340,6 +346,7 @@ def block_step(
     columns: Sequence[str],
     identity: Sequence[Any] = (),
     on_count: OnCount | None = None,
+    engine_name: str = RAY,
 ) -> StepResult:
     """Run ``make_blocks()`` over the upstream's kept rows; ``identity`` adds inputs beyond ``cfg``
     (a model file) to the fingerprint; ``on_count`` gets the documents judged so far."""
@@ -348,8 +355,8 @@ def block_step(
     def build(tmp: str) -> dict[str, Any]:
         if upstream.kept == 0:
             return {}
-        with counting(on_count) as tally:
-            ds = read_kept(upstream.out_dir).map_batches(
+        with counting(on_count, engine_name) as tally:
+            ds = read_kept(upstream.out_dir, engine_name).map_batches(
                 Counted(BlockBatchMapper(make_blocks, columns), tally), batch_format="pyarrow", batch_size=256
             )
             _write(ds, tmp)
@@ -358,8 +365,10 @@ def block_step(
     return run_step(name, work_dir, fp, build)
 
 
-def langid_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None) -> StepResult:
-    return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS, on_count=on_count)
+def langid_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None,
+                engine_name: str = RAY) -> StepResult:
+    return block_step("langid", upstream, work_dir, cfg, _langid_blocks(cfg), LANGID_COLUMNS, on_count=on_count,
+                      engine_name=engine_name)
 
 
 def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, Any], list[Any]]:
@@ -399,10 +408,11 @@ def prepare_quality_classifier(cfg: Any, work_dir: str) -> tuple[Any, dict[str, 
     return cfg, {"classifier": "trained", "model": str(path), **train_quality_classifier(clf, path)}, []
 
 
-def quality_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None) -> StepResult:
+def quality_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None,
+                 engine_name: str = RAY) -> StepResult:
     cfg, classifier_info, identity = prepare_quality_classifier(cfg, work_dir)
     result = block_step("quality", upstream, work_dir, cfg, _quality_blocks(cfg), QUALITY_COLUMNS, identity,
-                        on_count=on_count)
+                        on_count=on_count, engine_name=engine_name)
     result.extra.update(classifier_info)
     files = sorted(Path(result.out_dir).glob("*.parquet"))
     repeated = pq.read_table(files, columns=["repeated_lines"])["repeated_lines"] if files else pa.array([], pa.int32())
@@ -419,6 +429,7 @@ def dedup_step(
     previous_index: Sequence[str] = (),
     previous_shards: Sequence[str] = (),
     on_count: OnCount | None = None,
+    engine_name: str = RAY,
 ) -> StepResult:
     """Drop repeated records (an id read twice, or already in ``previous_shards``:
     the shards of the versions a refresh extends), then exact and near
@@ -434,8 +445,8 @@ def dedup_step(
         if upstream.kept == 0:
             return {}
         index_dir = os.path.join(tmp, "_index_work")
-        with counting(on_count) as tally:
-            ds, stats = dedup(read_kept(upstream.out_dir), cfg, index_dir, list(previous_index),
+        with counting(on_count, engine_name) as tally:
+            ds, stats = dedup(read_kept(upstream.out_dir, engine_name), cfg, index_dir, list(previous_index),
                               list(previous_shards), tally=tally)
             ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
             _write(ds, tmp)
@@ -486,7 +497,7 @@ def _apply_balance(batch: pa.Table, by: str, weights: dict[str, float], mode: st
 
 
 def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str, Any] | None = None,
-                 on_count: OnCount | None = None) -> StepResult:
+                 on_count: OnCount | None = None, engine_name: str = RAY) -> StepResult:
     """Compute per-group weights and mark thinned documents (they are quarantined too);
     ``on_count`` gets the documents weighted so far.
 
@@ -505,8 +516,8 @@ def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str,
         sizes = {k: prior.get("sizes", {}).get(k, 0.0) + new_sizes.get(k, 0.0) for k in docs}
         weights = group_weights(docs, sizes, cfg.alpha, cfg.beta) if cfg.by != "none" else {}
         if upstream.kept:
-            with counting(on_count) as tally:
-                ds = read_kept(upstream.out_dir).map_batches(
+            with counting(on_count, engine_name) as tally:
+                ds = read_kept(upstream.out_dir, engine_name).map_batches(
                     Counted(_apply_balance, tally),
                     batch_format="pyarrow",
                     fn_kwargs={"by": cfg.by, "weights": weights, "mode": cfg.mode, "seed": cfg.seed},
@@ -517,7 +528,8 @@ def balance_step(upstream: StepResult, work_dir: str, cfg: Any, prior: dict[str,
     return run_step("balance", work_dir, fp, build)
 
 
-def augment_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None) -> StepResult:
+def augment_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCount | None = None,
+                 engine_name: str = RAY) -> StepResult:
     """Add augmented copies of the upstream's kept documents (:mod:`~crawl2chat.stages.data.augment`).
 
     Runs after dedup and balance, so the copies are neither deduplicated against
@@ -538,11 +550,11 @@ def augment_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCoun
         files = sorted(Path(upstream.out_dir).glob("*.parquet"))
         names = pq.ParquetFile(files[0]).schema_arrow.names
         # One worker: back-translation models are loaded once; the other methods are cheap.
-        with counting(on_count) as tally:
-            ds = read_kept(upstream.out_dir).map_batches(
+        with counting(on_count, engine_name) as tally:
+            ds = read_kept(upstream.out_dir, engine_name).map_batches(
                 CountedClass, fn_constructor_args=(AugmentBatch, (cfg, names), tally), batch_format="pyarrow",
                 batch_size=cfg.back_translation.batch_size * 4 if cfg.back_translation.enabled else 256,
-                compute=ray.data.ActorPoolStrategy(size=1),
+                **({"compute": _one_actor()} if engine_name == RAY else {}),
             )
             _write(ds, tmp)
         written = sorted(Path(tmp).glob("*.parquet"))
@@ -553,6 +565,12 @@ def augment_step(upstream: StepResult, work_dir: str, cfg: Any, on_count: OnCoun
                 "source_documents": sources, "methods": cfg.methods()}
 
     return run_step("augment", work_dir, fp, build)
+
+
+def _one_actor() -> Any:
+    import ray
+
+    return ray.data.ActorPoolStrategy(size=1)
 
 
 def _with_shard_columns(batch: pa.Table) -> pa.Table:
@@ -590,6 +608,7 @@ def write_dataset(
     shard_bytes: int,
     config: dict[str, Any],
     plan: VersionPlan | None = None,
+    engine_name: str = RAY,
 ) -> dict[str, Any]:
     """Commit a dataset version: its shards, the quarantine of what it dropped, its manifest.
 
@@ -610,24 +629,21 @@ def write_dataset(
     try:
         if last.kept:
             n_shards = max(1, -(-last.bytes_in // max(shard_bytes, 1)))
-            ds = read_kept(last.out_dir).map_batches(_with_shard_columns, batch_format="pyarrow")
+            eng = engine(engine_name)
+            ds = read_kept(last.out_dir, engine_name).map_batches(_with_shard_columns, batch_format="pyarrow")
             # Sorted by id and cut into runs of exactly ``rows`` documents, in order: the same
             # documents make byte-identical shards (and so the same content digest) however
             # the steps' blocks arrived, which is what a rerun after a kill is compared on.
             rows = max(1, -(-last.kept // n_shards))
-            ctx = ray.data.DataContext.get_current()
-            preserve, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
-            try:
+            with eng.preserving_order():
                 (ds.sort("id").repartition(target_num_rows_per_block=rows, strict=True)
                  .map_batches(_combined, batch_format="pyarrow", batch_size=None)
                  .write_parquet(str(tmp / "shards"), compression="zstd"))
-            finally:
-                ctx.execution_options.preserve_order = preserve
         new_shards = _rename_in_order(tmp / "shards", f"{version}-shard", key=_first_id)
 
         # Step folders differ in columns, so each is mapped to the quarantine schema first.
         rejected = [
-            read_step(s.out_dir).map_batches(_rejected_rows, batch_format="pyarrow")
+            read_step(s.out_dir, engine_name).map_batches(_rejected_rows, batch_format="pyarrow")
             for s in steps
             if sum(s.dropped.values())
         ]
