@@ -263,6 +263,9 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
     files = corpus_files(Path(args.corpus))
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
+    from crawl2chat.stages.data.engine import choose
+
+    args.engine = choose(args.engine, files, cfg.data.local_max_mb)
     t_ray = time.time()
     if args.engine == "ray":
         ensure_ray(num_cpus=args.workers)
@@ -290,7 +293,7 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
         up = timed(name, lambda: fn(up, str(work), c, engine_name=args.engine))
         steps[-1]["docs"] = prev_kept  # documents in
         steps[-1]["bytes"] = up.bytes_in  # text bytes of those documents
-    out = {"steps": steps, "startup": {"imports": t_ray - t_import, "ray_init": t_ready - t_ray},
+    out = {"steps": steps, "engine": args.engine, "startup": {"imports": t_ray - t_import, "ray_init": t_ready - t_ray},
            "final_kept": up.kept, "dedup_config": cfg.data.dedup.model_dump()}
     Path(args.result).write_text(json.dumps(out, default=str))
     import ray
@@ -429,7 +432,8 @@ def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int
             steps_s = sum(s["seconds"] for s in res["steps"])
             print(f"{'TOTAL':<9}{side:<11}{res['steps'][0]['docs']:>7}{res['final_kept']:>7}{res['wall_total']:>9.2f}"
                   f"{'':>9}{_mb(corpus_bytes) / res['wall_total']:>8.2f}{_mb(res['peak_rss']):>13.0f}"
-                  f"   (steps {steps_s:.1f}s, imports {st['imports']:.1f}s, ray init {st['ray_init']:.1f}s)")
+                  f"   (steps {steps_s:.1f}s, imports {st['imports']:.1f}s, ray init {st['ray_init']:.1f}s"
+                  + (f", engine {res['engine']})" if res.get("engine") else ")"))
     if c2c and dt:
         print("ratio crawl2chat/datatrove (time <1 and docs/s >1 favour crawl2chat):")
         for i, name in enumerate(STEPS):
@@ -479,8 +483,9 @@ def main() -> None:
                     "dolma and resiliparse samples under /work/shared/data/warc")
     ap.add_argument("--scales", default="1,4,16", help="comma-separated replication factors")
     ap.add_argument("--extractor", choices=["trafilatura", "resiliparse"], default="trafilatura")
-    ap.add_argument("--engine", choices=["ray", "local"], default="ray",
-                    help="crawl2chat's data engine: Ray Data on --workers CPUs, or in-process (one core)")
+    ap.add_argument("--engine", choices=["auto", "ray", "local"], default="auto",
+                    help="crawl2chat's data engine: Ray Data on --workers CPUs, in-process (one core), or as "
+                         "`crawl2chat data` picks it (auto: in-process up to data.local_max_mb of input)")
     ap.add_argument("--workers", type=int, default=2, help="Ray CPUs / datatrove worker processes")
     ap.add_argument("--bench-python", default=None, help="python of a datatrove venv (default: the peer venv "
                     "benchmarks/peers.py keeps)")

@@ -162,7 +162,8 @@ class DataConfig(BaseModel):
     engine: Literal["auto", "ray", "local"] = Field(
         "auto",
         description="Where the steps run: 'ray' (Ray Data, on a local instance or the cluster named by RAY_ADDRESS), "
-        "'local' (in this process, on one core: no Ray start-up or scheduling, the whole step in memory), 'auto' "
+        "'local' (in this process, the whole step in memory, no Ray start-up or scheduling; the extract step "
+        "of a large enough input in a pool of processes, one per CPU), 'auto' "
         "('local' for input files of at most local_max_mb in all when RAY_ADDRESS is unset, else 'ray'). Both "
         "give the same dataset version.",
     )

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from crawl2chat.stages.data import pipeline as steps
+from crawl2chat.stages.data import extract_pool, pipeline as steps
 from crawl2chat.stages.data.engine import LOCAL, RAY, LocalEngine, choose
 from crawl2chat.stages.data.warc_input import list_input_files
 from crawl2chat.stages.settings import load_config
@@ -142,3 +148,53 @@ def test_auto_picks_local_for_small_inputs_only(tmp_path, monkeypatch):
 def test_engine_setting_is_refused_when_unknown():
     with pytest.raises(Exception, match="engine"):
         load_config(overrides={"data.engine": "spark"})
+
+
+def test_extract_in_a_pool_of_processes_gives_the_same_rows(shared_data, tmp_path, monkeypatch):
+    """The local engine's extract step over a pool of processes (used above EXTRACT_POOL_MIN_MB,
+    here forced) writes the rows one process writes."""
+    files = _inputs(shared_data)
+    cfg = load_config(overrides={"data.out": str(tmp_path)}).data
+    one = steps.extract_step(files, str(tmp_path / "one"), cfg.extract, engine_name=LOCAL)
+    assert "processes" not in one.extra
+    monkeypatch.setitem(extract_pool.EXTRACT_POOL_MIN_MB, cfg.extract.extractor, 0.0)
+    counted: list[dict] = []
+    pooled = steps.extract_step(files, str(tmp_path / "pool"), cfg.extract, counted.append, engine_name=LOCAL)
+    assert pooled.extra["processes"] == min(2, len(files)) or len(os.sched_getaffinity(0)) < 2
+    assert _rows(one.out_dir) == _rows(pooled.out_dir) and pooled.kept == one.kept > 0
+    assert pooled.extra["files"] == one.extra["files"]
+    assert counted[-1] == {"documents": one.rows_in, "files": len(files)}
+
+
+POOL_DRIVER = textwrap.dedent("""
+    import sys
+    from crawl2chat.stages.data import extract_pool, pipeline as steps
+    from crawl2chat.stages.settings import load_config
+    extract_pool.EXTRACT_POOL_MIN_MB["trafilatura"] = 0.0
+    cfg = load_config(overrides={"data.extract.extractor": "trafilatura"}).data
+    steps.extract_step(sys.argv[2:] * 50, sys.argv[1], cfg.extract, engine_name="local")
+""")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: the extract step uses no pool")
+def test_extract_pool_dies_with_its_parent(shared_data, tmp_path):
+    """SIGKILL of the process running the extract step: its pool processes exit too."""
+    import psutil
+
+    driver = subprocess.Popen([sys.executable, "-c", POOL_DRIVER, str(tmp_path / "work"), *_inputs(shared_data)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    children: list = []
+    while time.monotonic() < deadline:
+        children = psutil.Process(driver.pid).children(recursive=True)
+        workers = [c for c in children if "crawl2chat.stages.data.extract_pool" in c.cmdline()]
+        if len(workers) >= 2:
+            break
+        time.sleep(0.1)
+    assert len(workers) >= 2, [c.cmdline() for c in children]
+    time.sleep(1)  # the pool's processes at work
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait(timeout=30)
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert alive == [], [p.cmdline() for p in alive]
+    assert not (tmp_path / "work" / "extract").exists()  # nothing committed

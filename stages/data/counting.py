@@ -25,14 +25,11 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-import ray
-
 log = logging.getLogger(__name__)
 
 OnCount = Callable[[dict[str, int]], None]
 
 
-@ray.remote(num_cpus=0)
 class _Tally:
     """Running totals by name (``documents``, ``files``)."""
 
@@ -81,6 +78,8 @@ def report(tally: Any, name: str, n: int) -> None:
     if isinstance(tally, _LocalTally):
         tally.add(name, n)
     else:
+        import ray
+
         ray.get(tally.add.remote(name, n))
 
 
@@ -120,7 +119,12 @@ def counting(on_count: OnCount | None, engine_name: str = "ray", every: float = 
         yield None
         return
     local = engine_name == "local"
-    tally = _LocalTally() if local else _Tally.remote()
+    if local:
+        tally = _LocalTally()
+    else:
+        import ray  # imported here: a step run in this process never needs it
+
+        tally = ray.remote(num_cpus=0)(_Tally).remote()
     stop = threading.Event()
     on_count({})  # the step starts: nothing counted yet
 

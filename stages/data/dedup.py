@@ -62,13 +62,12 @@ import json
 import logging
 import struct
 from collections import Counter, defaultdict
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import ray
 import xxhash
 from datasketch import MinHash
 
@@ -76,6 +75,9 @@ from crawl2chat.stages.data.counting import Counted
 from crawl2chat.stages.data.engine import engine_of
 from crawl2chat.stages.data.text import normalize_for_hash, split_words
 from crawl2chat.stages.data.settings import MINHASH_SCHEME, DedupConfig
+
+if TYPE_CHECKING:  # the step runs on either engine; only Ray's needs Ray imported
+    import ray
 
 log = logging.getLogger(__name__)
 

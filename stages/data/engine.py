@@ -10,7 +10,8 @@ later operation is a method of that dataset, so one step's code runs on either:
 * ``ray``: Ray Data, on a local instance or the cluster named by ``RAY_ADDRESS``;
   the work is spread over every CPU of the cluster.
 * ``local``: :class:`LocalDataset`, the same operations run at once, in order, in
-  this process, on Arrow tables held in memory.
+  this process, on Arrow tables held in memory (the extract step alone spreads a
+  large enough input over a pool of processes: ``pipeline.extract_processes``).
 
 Why the second engine is written here: Ray Data's costs that do not grow with
 the data (starting the instance, 3-5 s; scheduling each operator's tasks and

@@ -36,7 +36,8 @@ import pyarrow.parquet as pq
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
 from crawl2chat.stages.data.counting import Counted, CountedClass, OnCount, counting, report
-from crawl2chat.stages.data.engine import RAY, engine
+from crawl2chat.stages.data.engine import LOCAL, RAY, engine
+from crawl2chat.stages.data.extract_pool import extract_in_processes, extract_processes
 from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data.versions import (
@@ -281,7 +282,12 @@ def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count
 
     def build(tmp: str) -> dict[str, Any]:
         eng = engine(engine_name)
+        processes = extract_processes(files, extract_cfg) if engine_name == LOCAL else 1
         with counting(on_count, engine_name) as tally:
+            if processes > 1:
+                extract_in_processes(files, tmp, extract_cfg, processes, lambda n, k: (
+                    report(tally, "documents", n), report(tally, "files", k)))
+                return {"input_files": len(files), "processes": processes}
             # A few files per task: each Ray task costs a fixed ~0.3-0.4 s to schedule and write its
             # Parquet file, a third of the step at one file per task (64 WARC files on 2 cores:
             # 36.7 s at 64 tasks, 27.7 s at 8). Four tasks per CPU still balance uneven files.
