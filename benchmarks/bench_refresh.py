@@ -21,9 +21,10 @@ pages of the first files: what a re-crawl adds.
     baseline (B):  full build from scratch of all N+K files into a fresh folder (timed)
 
 Both run in this process through ``crawl2chat.flows.data.data_flow`` (a temporary
-Prefect API from ``prefect_test_harness``, MLflow in a temporary home, one local Ray
-of ``--workers`` CPUs started first and shared by every run, so the first build
-pays Ray's start-up, not the timed ones). Reported side by side: wall time of the
+Prefect API from ``prefect_test_harness``, MLflow in a temporary home) on the data
+engine ``--engine`` picks (``auto``: in this process for an input this small; with
+``ray``, one local Ray of ``--workers`` CPUs started first and shared by every run,
+so the first build pays Ray's start-up, not the timed ones). Reported side by side: wall time of the
 flow call and of each step (from the manifest's ``steps``), documents read by each
 step (``rows_in``), WARC bytes read, documents kept, duplicates dropped, and for the
 refresh how many of its dedup drops point at a document of v0001 (``dup_cluster`` of
@@ -280,11 +281,12 @@ class RunResult:
     out: Path
 
 
-def run_flow(label: str, home: Path, out: Path, inputs: list[str], refresh: bool, workers: int) -> RunResult:
+def run_flow(label: str, home: Path, out: Path, inputs: list[str], refresh: bool, engine: str) -> RunResult:
     from crawl2chat.flows.data import data_flow
     from crawl2chat.stages.settings import load_config
 
-    cfg = load_config(overrides={"home": str(home), "data.out": str(out), "data.inputs": list(inputs)})
+    cfg = load_config(overrides={"home": str(home), "data.out": str(out), "data.inputs": list(inputs),
+                                 "data.engine": engine})
     print(f"--- {label}: {'refresh' if refresh else 'full build'} of {len(inputs)} input files -> {out.name}",
           flush=True)
     start = time.perf_counter()
@@ -458,6 +460,8 @@ def main() -> None:
     ap.add_argument("--near-edits", type=int, default=3, help="words replaced in a near copy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2, help="CPUs of the local Ray")
+    ap.add_argument("--engine", choices=["auto", "local", "ray"], default="auto",
+                    help="data.engine of every build (auto: in process for an input this small)")
     ap.add_argument("--work-dir", default=None, help="scratch folder (default: a temporary one, removed)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -479,20 +483,25 @@ def main() -> None:
         from prefect.testing.utilities import prefect_test_harness
 
         from crawl2chat.infra.ray_runtime import ensure_ray
+        from crawl2chat.stages.data.engine import RAY, choose
+        from crawl2chat.stages.settings import load_config
 
+        engine = choose(args.engine, old + new, load_config().data.local_max_mb)
+        print(f"data engine: {engine}", flush=True)
         t_ray = time.perf_counter()
-        ensure_ray(num_cpus=args.workers)
+        if engine == RAY:
+            ensure_ray(num_cpus=args.workers)
         ray_start_s = time.perf_counter() - t_ray
         home = root / "home"
         try:
             with prefect_test_harness(server_startup_timeout=180):
-                v1 = run_flow("A v0001", home, root / "out-refresh", old, refresh=False, workers=args.workers)
+                v1 = run_flow("A v0001", home, root / "out-refresh", old, refresh=False, engine=engine)
                 before = shard_digests(v1.out, v1.manifest, v1.manifest["version"])
                 refresh = run_flow("A refresh", home, root / "out-refresh", old + new, refresh=True,
-                                   workers=args.workers)
+                                   engine=engine)
                 after = shard_digests(refresh.out, refresh.manifest, v1.manifest["version"])
                 full = run_flow("B full rebuild", home, root / "out-full", old + new, refresh=False,
-                                workers=args.workers)
+                                engine=engine)
         finally:
             ray.shutdown()
         if not refresh.manifest.get("refresh") or refresh.manifest.get("base_version") != v1.manifest["version"]:

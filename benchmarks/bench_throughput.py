@@ -1,4 +1,4 @@
-"""Data-stage throughput: crawl2chat's Ray Data steps against datatrove, side by side.
+"""Data-stage throughput: crawl2chat's data steps against datatrove, side by side.
 
 One run measures, for each corpus scale (1x, 4x, 16x by default), the same four steps
 on the same WARC files in both frameworks:
@@ -21,6 +21,9 @@ psutil, only each side imports its own framework.
 
 How the two sides are made comparable
 -------------------------------------
+* crawl2chat's engine (``--engine``): ``auto`` as ``crawl2chat data`` picks it (in this
+  process up to ``data.local_max_mb`` of input, else Ray), ``local`` or ``ray`` (a local Ray
+  with ``--workers`` CPUs); the JSON result records which one ran.
 * Steps are materialised the same way: every step of either side reads the previous
   step's Parquet output and writes its own (crawl2chat's step folders; datatrove
   ParquetReader -> step -> ParquetWriter, one LocalPipelineExecutor per step with

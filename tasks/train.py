@@ -79,7 +79,9 @@ def _launch_training(stage, inputs, out, max_steps, config, overrides, num_proce
     if prepare:
         (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
     if prepare and spec.prepare_on_host:
-        on_ray = any(Path(v).is_dir() for v in inputs.values())
+        from crawl2chat.stages.training.packing import packs_on_ray
+
+        on_ray = any(packs_on_ray(v) for v in inputs.values())  # small shards are packed in this process
         if on_ray:
             from crawl2chat.infra.ray_runtime import ensure_ray, release_local_ray
 

@@ -1,5 +1,5 @@
 """The README's first command, `crawl2chat run`, end to end on the embedded default:
-the local pydoc site crawled on 127.0.0.1, the data stage on local Ray, the
+the local pydoc site crawled on 127.0.0.1, the data stage in process (a small input), the
 tokenizer and base model under a real `accelerate launch`, all in one Prefect
 flow run with MLflow runs on SQLite."""
 
@@ -68,6 +68,7 @@ def test_run_end_to_end_on_the_embedded_default(tmp_path):
                 if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id}
     assert {"crawl", "extract", "langid", "quality", "dedup", "balance", "write", "review", "pretrain",
             "demo-sets", "sft", "reward", "ppo", "questions"} <= set(children)
+    assert children["extract"].data.tags["crawl2chat.data_engine"] == "local" and "[in this process" in out
     pre = children["pretrain"]
     assert pre.data.tags["crawl2chat.data_digest"].startswith("sha256:")
     assert pre.data.tags["crawl2chat.input.data"] == children["write"].info.run_id

@@ -89,9 +89,12 @@ def test_token_dtype_follows_vocabulary():
 
 
 @pytest.mark.slow
-def test_pack_parquet_shards_with_ray(tok_dir, tmp_path):
-    """A data-stage folder (DIR/shards/*.parquet) is tokenised by the Ray Data job;
-    dropped documents are left out and the split follows the id hash."""
+def test_pack_parquet_shards_here_and_with_ray(tok_dir, tmp_path, ray_local, monkeypatch):
+    """A data-stage folder (DIR/shards/*.parquet) is tokenised in this process (small shards)
+    or by the Ray Data job, into the same files; dropped documents are left out and the
+    split follows the id hash."""
+    from crawl2chat.stages.training import packing
+
     docs = make_docs(300, seed=1)
     shards = tmp_path / "run" / "shards"
     shards.mkdir(parents=True)
@@ -102,6 +105,7 @@ def test_pack_parquet_shards_with_ray(tok_dir, tmp_path):
         pq.write_table(pa.table({"id": ids[sl], "text": docs[sl], "drop_reason": drop[sl]}),
                        shards / f"part-{s:05d}.parquet")
 
+    assert not packing.packs_on_ray(tmp_path / "run")
     index = pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed", val_fraction=0.2, num_cpus=2)
     kept = [i for i in range(len(docs)) if drop[i] is None]
     val_ids = [i for i in kept if is_validation(ids[i], 0.2)]
@@ -116,10 +120,16 @@ def test_pack_parquet_shards_with_ray(tok_dir, tmp_path):
     expected = sum(len(tok.encode(docs[i], add_special_tokens=False).ids) + 1 for i in val_ids)
     assert len(val) == expected
 
-    # Re-packing is byte-identical: the split and order do not depend on scheduling.
-    pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed2", val_fraction=0.2, num_cpus=2)
-    for split in ("train", "val"):
-        assert (tmp_path / "packed" / f"{split}.bin").read_bytes() == (tmp_path / "packed2" / f"{split}.bin").read_bytes()
+    # Packed by Ray Data (shards past PACK_LOCAL_MAX_MB): byte-identical files; the split and
+    # order depend neither on the engine nor on scheduling.
+    monkeypatch.setattr(packing, "PACK_LOCAL_MAX_MB", 0.0)
+    assert packing.packs_on_ray(tmp_path / "run")
+    again = pack_shards(tmp_path / "run", tok_dir, tmp_path / "packed2", val_fraction=0.2, num_cpus=2)
+    assert {k: again[k] for k in ("train", "val")} == {k: index[k] for k in ("train", "val")}
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "packed" / name).read_bytes() == (tmp_path / "packed2" / name).read_bytes()
+    assert pq.read_table(tmp_path / "packed" / "documents.parquet").equals(
+        pq.read_table(tmp_path / "packed2" / "documents.parquet"))
 
 
 def test_tiny_corpus_still_gets_a_validation_split(tok_dir, tmp_path):
@@ -202,3 +212,37 @@ def test_pretrain_tokenizer_type_takes_effect_and_a_mismatch_is_refused(corpus, 
         prepare_data(PretrainConfig(tokenizer=str(tok_dir)), corpus, tmp_path / "other")
     with pytest.raises(ValueError, match="tokenizer_type"):
         train_tokenizer(corpus, tmp_path / "x", tokenizer_type="sentencepiece")
+
+
+@pytest.mark.slow
+def test_both_tokenizing_paths_keep_the_same_documents(tok_dir, tmp_path, ray_local):
+    """Packing in this process and packing by Ray Data leave out the same rows: dropped
+    ones (a reason; an empty reason is none), empty or null texts, superseded ids and the
+    augmented copies of superseded documents; and keep the order and weights."""
+    from crawl2chat.stages.training.packing import _local_tokenize, _ray_tokenize
+
+    docs = make_docs(60, seed=3)
+    ids = [f"d{i:03d}" for i in range(len(docs))]
+    texts = [None if i == 5 else "" if i == 6 else t for i, t in enumerate(docs)]
+    drop = ["quality:x" if i % 9 == 0 else "" if i % 9 == 1 else None for i in range(len(docs))]
+    aug = [ids[i - 1] if i % 10 == 4 else None for i in range(len(docs))]
+    weight = [0.5 + (i % 3) for i in range(len(docs))]
+    files = []
+    for s in range(2):
+        sl = slice(s * 30, (s + 1) * 30)
+        path = tmp_path / f"part-{s}.parquet"
+        pq.write_table(pa.table({"id": ids[sl], "text": texts[sl], "drop_reason": drop[sl],
+                                 "augmented_from": aug[sl], "sample_weight": weight[sl]}), path)
+        files.append(path)
+    superseded = frozenset({ids[3], ids[13], ids[33]})  # d013 and d033 have augmented copies (d014, d034)
+
+    def rows(batches):
+        return [(str(i), float(w), tuple(int(t) for t in toks)) for b in batches
+                for i, w, toks in zip(b["id"], b["weight"], b["tokens"])]
+
+    args = (files, tok_dir / "tokenizer.json", 0.2, 2, superseded, None, True)
+    here, on_ray = rows(_local_tokenize(*args)), rows(_ray_tokenize(*args))
+    assert here == on_ray
+    kept = {r[0] for r in here}
+    assert not kept & {"d003", "d013", "d014", "d033", "d034", "d005", "d006", "d000", "d009"}
+    assert {"d001", "d010"} <= kept  # an empty drop reason is no drop

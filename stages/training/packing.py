@@ -20,8 +20,11 @@ Output (``out_dir``):
   token into bits per byte, a figure comparable across tokenizers.
   ``index.json`` is written last: its presence marks a complete packing.
 
-Parquet shards are tokenised by a Ray Data job (``map_batches`` over record
-batches, one tokenizer per worker); documents go to validation by a stable
+Parquet shards are tokenised in this process, file by file (the tokenizer's
+``encode_batch`` already uses every core), or, on a Ray cluster (``RAY_ADDRESS``)
+or for shards past ``PACK_LOCAL_MAX_MB``, by a Ray Data job (``map_batches`` over
+record batches, one tokenizer per worker); both give the same files
+(:func:`packs_on_ray`). Documents go to validation by a stable
 hash of their id (or text, when there is no id), so the split never changes
 when shards are re-packed or re-ordered; a corpus too small for the hash to pick
 any document holds out its last whole documents instead. A plain text file is
@@ -50,6 +53,23 @@ from crawl2chat.stages.training.tokenizer import EOS_TOKEN, is_text_file
 
 INDEX = "index.json"
 DOCUMENTS = "documents.parquet"
+# Shards up to this size are tokenised here: Ray's start (3-5 s) and its job's scheduling buy
+# nothing on one machine, where the tokenizer's own threads keep every core busy.
+PACK_LOCAL_MAX_MB = 1024.0
+
+
+def packs_on_ray(source: str | os.PathLike) -> bool:
+    """Whether packing ``source`` runs a Ray Data job: a data-stage folder on a Ray cluster
+    (``RAY_ADDRESS``), or one whose shards exceed ``PACK_LOCAL_MAX_MB``; never a text file."""
+    from crawl2chat.stages.data.engine import RAY, choose
+
+    if is_text_file(source) or not Path(source).is_dir():
+        return False
+    try:
+        files = shard_files(source)
+    except (OSError, ValueError):
+        return False
+    return bool(files) and choose("auto", [str(f) for f in files], PACK_LOCAL_MAX_MB) == RAY
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -262,8 +282,9 @@ def pack_shards(
         else:
             files_in = shard_files(source)
             weights = weight_policy(source, pq.ParquetFile(files_in[0]).schema_arrow.names)
-            for batch in _ray_tokenize(files_in, tokenizer_file, val_fraction, num_cpus, superseded_ids(source),
-                                       weights["by"], weights["origin"] == "sample_weight"):
+            tokenize = _ray_tokenize if packs_on_ray(source) else _local_tokenize
+            for batch in tokenize(files_in, tokenizer_file, val_fraction, num_cpus, superseded_ids(source),
+                                  weights["by"], weights["origin"] == "sample_weight"):
                 rows = {c: [] for c in schema.names}
                 for i, (toks, val, nb) in enumerate(zip(batch["tokens"], batch["val"], batch["n_bytes"])):
                     if val and batch["augmented"][i]:
@@ -318,10 +339,46 @@ def pack_shards(
     return index
 
 
+def _columns(files: list[Path], group_column: str | None, use_weights: bool) -> list[str]:
+    """The shard columns packing reads (``augmented_from`` when any shard has it)."""
+    import pyarrow.parquet as pq
+
+    names = pq.ParquetFile(files[0]).schema_arrow.names
+    if any("augmented_from" in pq.ParquetFile(f).schema_arrow.names for f in files):
+        names = [*names, "augmented_from"]
+    wanted = ["id", "text", "drop_reason", group_column, "sample_weight" if use_weights else None, "augmented_from"]
+    return [c for c in dict.fromkeys(wanted) if c and c in names]
+
+
+def _local_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, num_cpus: int | None,  # noqa: ARG001
+                    superseded: frozenset[str] = frozenset(), group_column: str | None = None,
+                    use_weights: bool = False):
+    """The documents :func:`_ray_tokenize` keeps, tokenised here, file by file, in order."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    columns = _columns(files, group_column, use_weights)
+    tokenize = _TokenizeBatch(str(tokenizer_file), val_fraction, group_column, use_weights)
+    gone = pa.array(sorted(superseded), pa.string())
+    for f in files:
+        table = pq.read_table(f)
+        table = pa.table({c: table[c] if c in table.column_names else pa.nulls(table.num_rows, pa.string())
+                          for c in columns})
+        keep = pc.fill_null(pc.not_equal(table["text"], ""), False)  # a null text is left out too
+        if "drop_reason" in columns:
+            keep = pc.and_(keep, pc.fill_null(pc.equal(table["drop_reason"], ""), True))  # null: kept
+        if superseded:
+            keep = pc.and_(keep, pc.and_(pc.is_valid(table["id"]), pc.invert(pc.is_in(table["id"], value_set=gone))))
+            if "augmented_from" in columns:  # a superseded document's augmented copies go with it
+                keep = pc.and_(keep, pc.invert(pc.is_in(table["augmented_from"], value_set=gone)))
+        for batch in table.filter(keep).to_batches(max_chunksize=1024):
+            yield tokenize({c: batch.column(c).to_numpy(zero_copy_only=False) for c in columns})
+
+
 def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, num_cpus: int | None,
                   superseded: frozenset[str] = frozenset(), group_column: str | None = None,
                   use_weights: bool = False):
-    import pyarrow.parquet as pq
     import ray
 
     # The caller connects Ray (a local instance, or the cluster named by RAY_ADDRESS);
@@ -330,11 +387,7 @@ def _ray_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float, 
     ctx.execution_options.preserve_order = True  # same files in, same bytes out
     ctx.enable_progress_bars = False
 
-    names = pq.ParquetFile(files[0]).schema_arrow.names
-    if any("augmented_from" in pq.ParquetFile(f).schema_arrow.names for f in files):
-        names = [*names, "augmented_from"]
-    wanted = ["id", "text", "drop_reason", group_column, "sample_weight" if use_weights else None, "augmented_from"]
-    columns = [c for c in dict.fromkeys(wanted) if c and c in names]
+    columns = _columns(files, group_column, use_weights)
     ds = ray.data.read_parquet([str(f) for f in files]).select_columns(columns)
     from ray.data.expressions import col
 
