@@ -233,6 +233,17 @@ def test_c4_removes_boilerplate_lines_and_keeps_paragraphs():
     assert doc["quality_score"] == pytest.approx((2 + 2) / (7 + 2))
 
 
+def test_c4_policy_substrings_are_plain_text():
+    """A policy entry is matched as written, case aside: its dots and brackets are no pattern."""
+    from crawl2chat.stages.data.settings import C4Config
+
+    block = C4Filter(C4Config(policy_substrings=["(c) Ltd.", "Terms"]))
+    lines = ["Copyright (C) LTD. and friends, all rights reserved.", "Copyright c Ltdx and friends, all rights.",
+             "Read our terms before you go."]
+    kept = [line for line in lines if block.clean_line(line, True)[1] is None]
+    assert kept == ["Copyright c Ltdx and friends, all rights."]
+
+
 def test_c4_punctuation_rules_accept_cjk_and_skip_thai():
     assert run_blocks([C4Filter()], [make_doc(JAPANESE, "ja")])[0]["text"] == JAPANESE
     thai = "ประเทศไทยมีประชากรประมาณหกสิบหกล้านคน และกรุงเทพมหานครเป็นเมืองหลวง"

@@ -343,7 +343,9 @@ class C4Filter(HeuristicFilter):
         super().__init__()
         self.cfg = cfg or C4Config()
         self.terminal = tuple(self.cfg.terminal_punctuation)
-        self.policy = tuple(p.lower() for p in self.cfg.policy_substrings)
+        # One alternation searched in C instead of a Python test per substring and line.
+        policy = sorted({p.lower() for p in self.cfg.policy_substrings}, key=len, reverse=True)
+        self.policy = re.compile("|".join(map(re.escape, policy))) if policy else None
 
     def clean_line(self, line: str, punctuated_script: bool) -> tuple[str, str | None]:
         """The line with citations removed, and why it is removed (None keeps it).
@@ -351,7 +353,7 @@ class C4Filter(HeuristicFilter):
         'lorem_ipsum' and 'curly_bracket' drop the whole page, as in C4.
         """
         cfg = self.cfg
-        if cfg.max_word_length is not None and any(
+        if cfg.max_word_length is not None and len(line) > cfg.max_word_length and any(
             len(token) > cfg.max_word_length and unspaced_fraction(token) < 0.5 for token in line.split()
         ):
             # A URL, base64 or minified blob; a long unspaced CJK sentence is not one word.
@@ -370,7 +372,7 @@ class C4Filter(HeuristicFilter):
             return line, "javascript"
         if cfg.filter_curly_bracket and "{" in line:
             return line, "curly_bracket"
-        if cfg.filter_policy and any(p in lower for p in self.policy):
+        if cfg.filter_policy and self.policy is not None and self.policy.search(lower):
             return line, "policy"
         return line, None
 
