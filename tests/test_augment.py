@@ -277,6 +277,20 @@ def test_a_data_stage_run_writes_augmented_rows_into_the_version(augmented_versi
     assert again.skipped and again.extra["augmented"] == augmented.extra["augmented"]
 
 
+def test_the_augment_step_adds_the_same_rows_in_this_process(augmented_version, tmp_path):
+    """The local data engine (stages.data.engine): the same augmented rows as on Ray."""
+    cfg, out, results, augmented, _ = augmented_version
+    local = steps.augment_step(results[-1], str(tmp_path / "work"), cfg.data.augment, engine_name="local")
+
+    def rows(step_dir):
+        table = pq.read_table(sorted(Path(step_dir).glob("*.parquet")),
+                              columns=["id", "augmented_from", "augment_method", "text", "drop_reason"])
+        return sorted(tuple(r.values()) for r in table.to_pylist())
+
+    assert local.extra["augmented"] == augmented.extra["augmented"] and local.kept == augmented.kept
+    assert rows(local.out_dir) == rows(augmented.out_dir)
+
+
 def test_no_augmented_row_of_a_held_out_document_is_trained_on(augmented_version, tmp_path):
     from crawl2chat.stages.training.tokenizer import train_tokenizer
 
