@@ -198,3 +198,18 @@ def test_extract_pool_dies_with_its_parent(shared_data, tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=20)
     assert alive == [], [p.cmdline() for p in alive]
     assert not (tmp_path / "work" / "extract").exists()  # nothing committed
+
+
+def test_a_failing_extract_worker_is_named_and_nothing_is_committed(shared_data, tmp_path, monkeypatch):
+    """A worker killed while it works (the OOM killer's way) ends the step with an error naming
+    its files; the step folder is not committed and a rerun builds it."""
+    cfg = load_config(overrides={"data.out": str(tmp_path)}).data
+    monkeypatch.setitem(extract_pool.EXTRACT_POOL_MIN_MB, cfg.extract.extractor, 0.0)
+    files = _inputs(shared_data)
+    monkeypatch.setenv("CRAWL2CHAT_KILL_AT", "extract_pool:group_written")
+    with pytest.raises(RuntimeError, match=r"the extract worker for .*\.warc.* exited with status -9"):
+        steps.extract_step(files, str(tmp_path / "work"), cfg.extract, engine_name=LOCAL)
+    assert not (tmp_path / "work" / "extract").exists()
+    monkeypatch.delenv("CRAWL2CHAT_KILL_AT")
+    again = steps.extract_step(files, str(tmp_path / "work"), cfg.extract, engine_name=LOCAL)
+    assert not again.skipped and again.kept > 0 and again.extra["processes"] == 2

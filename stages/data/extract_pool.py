@@ -21,12 +21,16 @@ hence the thresholds below (Resiliparse's is the ``auto`` engine's whole range).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+log = logging.getLogger(__name__)
 
 EXTRACT_POOL_MIN_MB = {"trafilatura": 2.0, "resiliparse": 32.0}
 
@@ -48,8 +52,10 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
                          on_done: Callable[[int, int], None]) -> None:
     """Extract ``files`` into ``out_dir`` with ``processes`` workers, each given every
     ``processes``-th of the input's groups of a few files (four groups per worker);
-    ``on_done(documents, files)`` is called as each group is written. A worker that
-    fails is named with its files; the step is then not committed."""
+    ``on_done(documents, files)`` is called as each group is written. What a worker
+    prints on stderr (library warnings, a traceback) goes to the log, not the terminal;
+    a worker that fails is named with its files and its last line, and the step is then
+    not committed."""
     from crawl2chat.stages.lifetime import die_with_parent_preexec
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -58,11 +64,12 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
     settings = extract_cfg.model_dump(mode="json")
     workers = []
     for share in (groups[i::processes] for i in range(processes)):
+        errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on it
         proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True, preexec_fn=die_with_parent_preexec())
+                                stderr=errors, text=True, preexec_fn=die_with_parent_preexec())
         proc.stdin.write(json.dumps({"groups": share, "out_dir": out_dir, "extract": settings}))
         proc.stdin.close()
-        workers.append((proc, share))
+        workers.append((proc, share, errors))
     lock = threading.Lock()
 
     def follow(proc: subprocess.Popen) -> None:
@@ -71,21 +78,32 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
             with lock:
                 on_done(documents, done)
 
-    readers = [threading.Thread(target=follow, args=(p,), daemon=True) for p, _ in workers]
+    readers = [threading.Thread(target=follow, args=(p,), daemon=True) for p, _, _ in workers]
     for t in readers:
         t.start()
     for t in readers:
         t.join()
-    failed = [(p.wait(), share) for p, share in workers if p.wait() != 0]
+    failed = []
+    for proc, share, errors in workers:
+        proc.wait()
+        errors.seek(0)
+        printed = errors.read().strip()
+        errors.close()
+        if proc.returncode != 0:
+            log.error("extract worker (pid %d) exited with status %d:\n%s", proc.pid, proc.returncode, printed)
+            failed.append((proc.returncode, share, printed.splitlines()[-1] if printed else ""))
+        elif printed:
+            log.info("extract worker (pid %d) printed:\n%s", proc.pid, printed)
     if failed:
-        status, share = failed[0]
+        status, share, last = failed[0]
         names = ", ".join(Path(f).name for group in share for f in group)
-        raise RuntimeError(f"the extract worker for {names} exited with status {status}")
+        raise RuntimeError(f"the extract worker for {names} exited with status {status}" + (f": {last}" if last else ""))
 
 
 def _worker() -> None:
     from crawl2chat.stages.data.pipeline import FILE_STATUS, _extract_files
     from crawl2chat.stages.data.settings import ExtractConfig
+    from crawl2chat.stages.fault_points import kill_point
 
     import uuid
 
@@ -101,6 +119,7 @@ def _worker() -> None:
             pq.write_table(table, f"{job['out_dir']}/{prefix}_{i:06d}.parquet", compression="zstd")
             is_status = pc.fill_null(pc.equal(table["record_type"], FILE_STATUS), False)
             documents += table.num_rows - int(pc.sum(pc.cast(is_status, pa.int64())).as_py() or 0)
+        kill_point("extract_pool:group_written")  # a fault drill's worker dies here (as the OOM killer kills one)
         print(documents, len(group), flush=True)
 
 
