@@ -56,13 +56,27 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
     prints on stderr (library warnings, a traceback) goes to the log, not the terminal;
     a worker that fails is named with its files and its last line, and the step is then
     not committed."""
-    from crawl2chat.stages.lifetime import die_with_parent_preexec
-
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     n_groups = min(len(files), 4 * processes)
     groups = [list(files[i::n_groups]) for i in range(n_groups)]
     settings = extract_cfg.model_dump(mode="json")
-    workers = []
+    workers: list = []
+    try:
+        _run_workers(groups, processes, out_dir, settings, on_done, workers)
+    except BaseException:
+        for proc, _, _ in workers:  # the step failed here (an interrupt, a broken pipe): stop every worker
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        raise
+
+
+def _run_workers(groups: list[list[str]], processes: int, out_dir: str, settings: dict,
+                 on_done: Callable[[int, int], None], workers: list) -> None:
+    """Start the workers (appended to ``workers`` as they start), follow their progress, and
+    raise if one failed."""
+    from crawl2chat.stages.lifetime import die_with_parent_preexec
+
     for share in (groups[i::processes] for i in range(processes)):
         errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on it
         proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -101,7 +115,7 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
 
 
 def _worker() -> None:
-    from crawl2chat.stages.data.pipeline import FILE_STATUS, _extract_files
+    from crawl2chat.stages.data.pipeline import FILE_STATUS, extract_files
     from crawl2chat.stages.data.settings import ExtractConfig
     from crawl2chat.stages.fault_points import kill_point
 
@@ -115,7 +129,7 @@ def _worker() -> None:
     cfg = ExtractConfig.model_validate(job["extract"])
     for group in job["groups"]:
         prefix, documents = uuid.uuid4().hex[:12], 0
-        for i, table in enumerate(_extract_files({"path": group}, cfg, 512)):
+        for i, table in enumerate(extract_files({"path": group}, cfg, 512)):
             pq.write_table(table, f"{job['out_dir']}/{prefix}_{i:06d}.parquet", compression="zstd")
             is_status = pc.fill_null(pc.equal(table["record_type"], FILE_STATUS), False)
             documents += table.num_rows - int(pc.sum(pc.cast(is_status, pa.int64())).as_py() or 0)

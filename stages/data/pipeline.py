@@ -223,7 +223,7 @@ def _write(ds: Any, out_dir: str) -> None:
 # --------------------------------------------------------------------------- extract
 
 
-def _extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
+def extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
                    tally: Any = None) -> Iterator[pa.Table]:
     from crawl2chat.stages.data.templates import strip_template_lines
     from crawl2chat.stages.data.warc_input import WarcReader
@@ -293,7 +293,7 @@ def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count
             # 36.7 s at 64 tasks, 27.7 s at 8). Four tasks per CPU still balance uneven files.
             ds = eng.from_items([{"path": p} for p in files], min(len(files), 4 * eng.cpus()))
             ds = ds.map_batches(
-                _extract_files,
+                extract_files,
                 batch_size=1,
                 batch_format="numpy",
                 fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512, "tally": tally},
