@@ -150,6 +150,10 @@ def test_engine_setting_is_refused_when_unknown():
         load_config(overrides={"data.engine": "spark"})
 
 
+NEEDS_TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: the extract step uses no pool")
+
+
+@NEEDS_TWO_CPUS
 def test_extract_in_a_pool_of_processes_gives_the_same_rows(shared_data, tmp_path, monkeypatch):
     """The local engine's extract step over a pool of processes (used above EXTRACT_POOL_MIN_MB,
     here forced) writes the rows one process writes."""
@@ -160,7 +164,7 @@ def test_extract_in_a_pool_of_processes_gives_the_same_rows(shared_data, tmp_pat
     monkeypatch.setitem(extract_pool.EXTRACT_POOL_MIN_MB, cfg.extract.extractor, 0.0)
     counted: list[dict] = []
     pooled = steps.extract_step(files, str(tmp_path / "pool"), cfg.extract, counted.append, engine_name=LOCAL)
-    assert pooled.extra["processes"] == min(2, len(files)) or len(os.sched_getaffinity(0)) < 2
+    assert pooled.extra["processes"] == min(len(os.sched_getaffinity(0)), len(files)) > 1
     assert _rows(one.out_dir) == _rows(pooled.out_dir) and pooled.kept == one.kept > 0
     assert pooled.extra["files"] == one.extra["files"]
     assert counted[-1] == {"documents": one.rows_in, "files": len(files)}
@@ -176,7 +180,7 @@ POOL_DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: the extract step uses no pool")
+@NEEDS_TWO_CPUS
 def test_extract_pool_dies_with_its_parent(shared_data, tmp_path):
     """SIGKILL of the process running the extract step: its pool processes exit too."""
     import psutil
@@ -200,6 +204,7 @@ def test_extract_pool_dies_with_its_parent(shared_data, tmp_path):
     assert not (tmp_path / "work" / "extract").exists()  # nothing committed
 
 
+@NEEDS_TWO_CPUS
 def test_a_failing_extract_worker_is_named_and_nothing_is_committed(shared_data, tmp_path, monkeypatch):
     """A worker killed while it works (the OOM killer's way) ends the step with an error naming
     its files; the step folder is not committed and a rerun builds it."""
@@ -212,4 +217,5 @@ def test_a_failing_extract_worker_is_named_and_nothing_is_committed(shared_data,
     assert not (tmp_path / "work" / "extract").exists()
     monkeypatch.delenv("CRAWL2CHAT_KILL_AT")
     again = steps.extract_step(files, str(tmp_path / "work"), cfg.extract, engine_name=LOCAL)
-    assert not again.skipped and again.kept > 0 and again.extra["processes"] == 2
+    assert not again.skipped and again.kept > 0 and again.extra["processes"] == min(
+        len(os.sched_getaffinity(0)), len(files))

@@ -42,7 +42,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 RAY, LOCAL = "ray", "local"
-DEFAULT_BATCH_ROWS = 1024  # a "default" batch: whole blocks are rarely larger at the sizes this engine runs
 
 
 def choose(setting: str, files: Sequence[str], local_max_mb: float) -> str:
@@ -182,19 +181,18 @@ class LocalDataset:
 
     # -- transformations
 
-    def map_batches(self, fn: Callable, *, batch_size: int | None | str = "default", batch_format: str = "default",
+    def map_batches(self, fn: Callable, *, batch_size: int | None | str = None, batch_format: str = "default",
                     fn_kwargs: dict | None = None, fn_constructor_args: tuple = (), **_scheduling: Any
                     ) -> "LocalDataset":
-        """``fn`` over batches of ``batch_size`` rows (``None``: whole blocks); a class is built
-        once with ``fn_constructor_args``. ``compute`` and other scheduling options of Ray
-        have nothing to place here."""
+        """``fn`` over batches of ``batch_size`` rows (``None``, Ray's default, or ``"auto"``:
+        whole blocks); a class is built once with ``fn_constructor_args``. ``compute`` and
+        other scheduling options of Ray have nothing to place here."""
         call = fn(*fn_constructor_args) if isinstance(fn, type) else fn
-        rows = DEFAULT_BATCH_ROWS if batch_size in ("default", "auto") else batch_size
         out: list[pa.Table] = []
         for block in self.blocks:
             if block.num_rows == 0:
                 continue
-            step = rows or block.num_rows
+            step = batch_size if isinstance(batch_size, int) else block.num_rows
             for start in range(0, block.num_rows, step):
                 batch = block.slice(start, step)
                 if batch_format == "numpy":

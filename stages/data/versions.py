@@ -291,11 +291,12 @@ def iter_documents(source: str | os.PathLike, columns: Sequence[str]) -> Iterato
                 yield {c: row.get(c) for c in columns}
 
 
-def shard_files(source: str | os.PathLike) -> list[Path]:
+def shard_files(source: str | os.PathLike, verify: bool = True) -> list[Path]:
     """Parquet shards of a data-stage output folder: those its current manifest names
     (every version of the chain), each checked against the size and sha256 the manifest
     recorded (:class:`DamagedDataError` names the first that differs, as it does an
-    unreadable manifest), else ``DIR/shards/*.parquet`` or ``DIR/*.parquet``."""
+    unreadable manifest), else ``DIR/shards/*.parquet`` or ``DIR/*.parquet``.
+    ``verify=False`` lists them without reading them (a caller that only sizes them)."""
     src = Path(source)
     manifest = load_manifest(src) if src.is_dir() else None
     if manifest and manifest.get("shards") and all("path" in s for s in manifest["shards"]):
@@ -303,7 +304,7 @@ def shard_files(source: str | os.PathLike) -> list[Path]:
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"{src}/manifest.json names shards that are missing: {', '.join(missing[:3])}")
-        damage = shard_damage(src, manifest)
+        damage = shard_damage(src, manifest) if verify else None
         if damage:
             raise DamagedDataError(damage[1])
         return files

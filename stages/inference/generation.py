@@ -246,10 +246,10 @@ def sample_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, m
         scores = logits[:, -1].float()
         if not bool(torch.isfinite(scores).all()):
             failed, scores = True, torch.zeros_like(scores)
-        probs = torch.softmax(scores / temperature, -1)
-        tok = draw(probs)
+        scaled = scores / temperature
+        tok = draw(torch.softmax(scaled, -1))
         if with_logprobs:
-            logps.append(torch.log_softmax(scores / temperature, -1).gather(-1, tok[:, None])[:, 0])
+            logps.append(torch.log_softmax(scaled, -1).gather(-1, tok[:, None])[:, 0])
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         new.append(tok)
         done |= tok == eos_id

@@ -58,17 +58,19 @@ DOCUMENTS = "documents.parquet"
 PACK_LOCAL_MAX_MB = 1024.0
 
 
-def packs_on_ray(source: str | os.PathLike) -> bool:
+def packs_on_ray(source: str | os.PathLike, files: list[Path] | None = None) -> bool:
     """Whether packing ``source`` runs a Ray Data job: a data-stage folder on a Ray cluster
-    (``RAY_ADDRESS``), or one whose shards exceed ``PACK_LOCAL_MAX_MB``; never a text file."""
+    (``RAY_ADDRESS``), or one whose shards (``files``, else listed here unread) exceed
+    ``PACK_LOCAL_MAX_MB``; never a text file."""
     from crawl2chat.stages.data.engine import RAY, choose
 
     if is_text_file(source) or not Path(source).is_dir():
         return False
-    try:
-        files = shard_files(source)
-    except (OSError, ValueError):
-        return False
+    if files is None:
+        try:
+            files = shard_files(source, verify=False)
+        except (OSError, ValueError):
+            return False
     return bool(files) and choose("auto", [str(f) for f in files], PACK_LOCAL_MAX_MB) == RAY
 
 
@@ -282,7 +284,7 @@ def pack_shards(
         else:
             files_in = shard_files(source)
             weights = weight_policy(source, pq.ParquetFile(files_in[0]).schema_arrow.names)
-            tokenize = _ray_tokenize if packs_on_ray(source) else _local_tokenize
+            tokenize = _ray_tokenize if packs_on_ray(source, files_in) else _local_tokenize
             for batch in tokenize(files_in, tokenizer_file, val_fraction, num_cpus, superseded_ids(source),
                                   weights["by"], weights["origin"] == "sample_weight"):
                 rows = {c: [] for c in schema.names}
@@ -362,7 +364,7 @@ def _local_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float
     tokenize = _TokenizeBatch(str(tokenizer_file), val_fraction, group_column, use_weights)
     gone = pa.array(sorted(superseded), pa.string())
     for f in files:
-        table = pq.read_table(f)
+        table = pq.read_table(f, columns=[c for c in columns if c in pq.ParquetFile(f).schema_arrow.names])
         table = pa.table({c: table[c] if c in table.column_names else pa.nulls(table.num_rows, pa.string())
                           for c in columns})
         keep = pc.fill_null(pc.not_equal(table["text"], ""), False)  # a null text is left out too
