@@ -277,9 +277,9 @@ def test_learns_from_dedup_clusters(trained):
     assert (m["positives"], m["retrieval_positives"], m["steps"]) == ("clusters", "dedup_clusters", 40)
     assert m["train_pairs"] + m["held_out_pairs"] == 160 and m["retrieval_pairs"] == m["held_out_pairs"] >= 20
     assert m["queue_filled"] == 256
-    # Held-out clusters (copies and kept articles training never saw): well above the same
-    # encoder untrained and far above a random ranking.
-    assert m["retrieval_top1"] >= m["initial_retrieval_top1"] + 0.15 and m["retrieval_top1"] >= 0.8, m
+    # Held-out clusters (copies and kept articles training never saw): at most half the
+    # misses of the same encoder untrained, and far above a random ranking.
+    assert 1 - m["retrieval_top1"] <= 0.5 * (1 - m["initial_retrieval_top1"]) and m["retrieval_top1"] >= 0.8, m
     assert m["retrieval_mrr"] >= m["initial_retrieval_mrr"] + 0.1 and m["retrieval_mrr"] > 5 * m["retrieval_chance_mrr"]
     assert m["retrieval_chance_top1"] == pytest.approx(1 / m["retrieval_pairs"])
     assert m["val_loss"] < m["initial_val_loss"] - 1.0

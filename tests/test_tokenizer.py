@@ -177,6 +177,45 @@ def test_each_tokenizer_type_trains_round_trips_and_loads(corpus, tmp_path, toke
         assert tok.unk_token_id in tok("queen ☃")["input_ids"]  # a character never seen in training
 
 
+def test_every_family_trains_the_same_tokenizer_on_every_run(tmp_path):
+    """Three fresh processes train each family on the same text: byte-identical
+    ``tokenizer.json`` files (the library's WordPiece and Unigram trainers alone
+    differ from run to run: hash-map order). WordPiece's vocabulary is as large
+    as the library trainer's and encodes the text in as many tokens, give or take
+    its choices between merges of equal count."""
+    import subprocess
+    import sys
+
+    from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+    from crawl2chat.stages.training.tokenizer import UNK_TOKEN
+
+    text = tmp_path / "mixed.txt"
+    text.write_text("\n".join(make_docs(300, seed=3)) + "\nStraße Größe naïve café — Привет мир, привет! 東京 🙂x\n",
+                    encoding="utf-8")
+    script = ("import sys\nfrom crawl2chat.stages.training.tokenizer import train_tokenizer\n"
+              "for kind in ('bpe', 'wordpiece', 'unigram'):\n"
+              "    train_tokenizer(sys.argv[1], f'{sys.argv[2]}/{kind}', vocab_size=300, tokenizer_type=kind)\n")
+    for run in range(3):
+        subprocess.run([sys.executable, "-c", script, str(text), str(tmp_path / f"run{run}")], check=True, timeout=300)
+    for kind in ("bpe", "wordpiece", "unigram"):
+        files = {(tmp_path / f"run{run}" / kind / "tokenizer.json").read_bytes() for run in range(3)}
+        assert len(files) == 1, kind
+
+    ours = Tokenizer.from_file(str(tmp_path / "run0" / "wordpiece" / "tokenizer.json"))
+    library = Tokenizer(models.WordPiece(unk_token=UNK_TOKEN))
+    library.normalizer = normalizers.BertNormalizer(strip_accents=False, lowercase=False)
+    library.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    library.train_from_iterator(text.read_text(encoding="utf-8").splitlines(), trainers.WordPieceTrainer(
+        vocab_size=300, min_frequency=2, special_tokens=SPECIAL_TOKENS + [UNK_TOKEN], show_progress=False))
+    lines = text.read_text(encoding="utf-8").splitlines()
+    mine, theirs = (sum(len(e.ids) for e in t.encode_batch(lines)) for t in (ours, library))
+    assert len(ours.get_vocab()) == len(library.get_vocab()) and abs(mine - theirs) <= 0.02 * theirs, (mine, theirs)
+    mine = set(ours.get_vocab())
+    assert {"##ß", "ß", "##ö", "##и", "и"} <= mine  # each character also stands as a word's first
+    assert ours.encode("Größe Привет").tokens and ours.token_to_id(UNK_TOKEN) not in ours.encode("Größe Привет").ids
+
+
 @pytest.mark.parametrize("tokenizer_type", ["bpe", "wordpiece", "unigram"])
 def test_encoder_objectives_get_their_special_tokens(corpus, tmp_path, tokenizer_type):
     from crawl2chat.stages.training.tokenizer import CLS_TOKEN, MASK_TOKEN, SEP_TOKEN, sentinel

@@ -18,6 +18,10 @@ Three families, all from the ``tokenizers`` library (``tokenizer_type``):
 * ``unigram``: the SentencePiece unigram language model (``▁`` marks a word
   start, NFKC normalisation). Unseen characters map to ``<|unk|>``.
 
+Each family trains the same tokenizer on every run over the same texts (the
+library's WordPiece and Unigram trainers alone do not; see ``_train_wordpiece``
+and ``_settle_unigram``), so a rerun of a stage reproduces its tokens.
+
 The encoder stages add what their objective needs (``objective``): masked
 language modelling ``<|cls|>``, ``<|sep|>`` and ``<|mask|>`` with a
 ``<|cls|> text <|sep|>`` template; span corruption T5's sentinels
@@ -124,8 +128,7 @@ def train_tokenizer(
                                                     lowercase=False)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                            special_tokens=specials, show_progress=False)
+        trainer = None  # trained by _train_wordpiece: the same vocabulary on every run
     else:
         tok = Tokenizer(models.Unigram())
         tok.normalizer = normalizers.NFKC()
@@ -138,7 +141,12 @@ def train_tokenizer(
         # One huge document trains slowly and its pre-tokenisation holds it all
         # in memory at once; lines are the natural unit for a text file.
         texts = (line for doc in texts for line in doc.splitlines(keepends=True))
-    tok.train_from_iterator(texts, trainer=trainer)
+    if trainer is None:
+        _train_wordpiece(tok, texts, vocab_size, min_frequency, specials)
+    else:
+        tok.train_from_iterator(texts, trainer=trainer)
+    if tokenizer_type == "unigram":
+        _settle_unigram(tok, len(specials))
     got = [tok.token_to_id(t) for t in specials]
     if got != list(range(len(specials))):  # every family puts the special tokens first, in order
         raise RuntimeError(f"special tokens got ids {got}, expected 0..{len(specials) - 1}")
@@ -173,6 +181,108 @@ def train_tokenizer(
     if objective == "causal":
         _inline_chat_template(out)
     return out
+
+
+# A word's continuation characters as the BPE trainer sees them when it learns a
+# WordPiece vocabulary: planes 0 and 1 shifted into the private-use planes 15
+# and 16. Characters beyond keep their spelling (CJK extensions are words of
+# their own after BERT's pre-tokenizer); private-use ones of planes 15-16 are
+# left out.
+_MARK_OFFSET = 0xF0000
+
+
+class _ContinuationMarks(dict):
+    """``str.translate`` table: character -> its continuation mark. ``first_seen``
+    collects the characters met for the first time."""
+
+    def __init__(self):
+        super().__init__()
+        self.first_seen: list[str] = []
+
+    def __missing__(self, code: int) -> str | None:
+        mark = None if code >= _MARK_OFFSET else chr(code + _MARK_OFFSET) if code < 0x20000 else chr(code)
+        self[code] = mark
+        if mark is not None:
+            self.first_seen.append(chr(code))
+        return mark
+
+
+def _unmark(piece: str) -> str:
+    """A piece learned on marked words, in WordPiece's spelling: ``##`` first
+    when it starts inside a word."""
+    plain = "".join(chr(ord(c) - _MARK_OFFSET) if ord(c) >= _MARK_OFFSET else c for c in piece)
+    return "##" + plain if ord(piece[0]) >= _MARK_OFFSET else plain
+
+
+def _train_wordpiece(tok, texts: Iterator[str], vocab_size: int, min_frequency: int, specials: list[str]) -> None:
+    """Learn ``tok``'s WordPiece vocabulary, the same on every run over the same texts.
+
+    ``tokenizers``' own ``WordPieceTrainer`` is BPE whose ``##`` pieces are numbered
+    in hash-map order as it meets them, and equal merge counts are decided by
+    those numbers, so two runs over one corpus can keep different pieces
+    (huggingface/tokenizers#1794, open at 0.23). Here every word's continuation
+    characters are written as private-use characters before the same BPE trainer
+    runs, so they belong to its alphabet, which it numbers in sorted order, and
+    each learned piece is spelled back the WordPiece way. Private-use characters
+    of planes 15 and 16 in the text are left out of training (they are unknown
+    to the tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    marks = _ContinuationMarks()
+    normalize, split = tok.normalizer.normalize_str, tok.pre_tokenizer.pre_tokenize_str
+
+    def marked_words(text: str) -> str:
+        words = [w[0] + w[1:].translate(marks) for w, _ in split(normalize(text)) if ord(w[0]) < _MARK_OFFSET]
+        # Every character also enters the alphabet as a word's first, as in WordPiece's
+        # own trainer: once, as a word of one character (which adds no pair to count).
+        words += marks.first_seen
+        marks.first_seen.clear()
+        return " ".join(words)
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    bpe.train_from_iterator((marked_words(t) for t in texts), trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials, show_progress=False))
+    special = set(specials)
+    vocab = {(p if p in special else _unmark(p)): i for p, i in bpe.get_vocab().items()}
+    tok.model = models.WordPiece(vocab, unk_token=UNK_TOKEN, continuing_subword_prefix="##")
+    tok.add_special_tokens(specials)
+
+
+# The Unigram trainer gives each character it adds to cover the alphabet the
+# lowest score plus this much per character before it.
+_ADDED_CHARACTER_STEP = 1e-4
+_SCORE_DECIMALS = 6
+
+
+def _settle_unigram(tok, n_special: int) -> None:
+    """Make ``tok``'s trained Unigram model the same on every run over the same texts.
+
+    ``tokenizers``' Unigram trainer counts words in a hash map, so its sums run in a
+    different order each run (scores differ in the last bits) and the characters
+    it adds to cover the alphabet come in hash order. Scores are rounded to 1e-6
+    (far below any difference that changes a segmentation), the characters on
+    the added run take its steps in code point order, and pieces are ordered by
+    score, then spelling."""
+    import json
+
+    from tokenizers import models
+
+    model = json.loads(tok.to_str())["model"]
+    head, pieces = model["vocab"][:n_special], model["vocab"][n_special:]
+    low = min(score for _, score in pieces)
+    steps = {}
+    for piece, score in pieces:
+        j = (score - low) / _ADDED_CHARACTER_STEP
+        if len(piece) == 1 and abs(j - round(j)) < 1e-6:
+            steps[piece] = round(j)
+    # The added run takes steps 0, 1, 2, ...; the model's own lowest piece may share step 0.
+    js = sorted(steps.values())
+    if js and set(js) == set(range(js[-1] + 1)) and len(js) <= js[-1] + 2:
+        order = dict(zip(sorted(steps), js))
+        pieces = [(p, low + order[p] * _ADDED_CHARACTER_STEP if p in order else s) for p, s in pieces]
+    pieces = sorted(((p, round(s, _SCORE_DECIMALS)) for p, s in pieces), key=lambda ps: (-ps[1], ps[0]))
+    tok.model = models.Unigram([tuple(ps) for ps in head] + pieces, model["unk_id"], model["byte_fallback"])
 
 
 def tokenizer_family(tokenizer_dir: str | os.PathLike) -> str:
