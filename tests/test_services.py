@@ -75,9 +75,10 @@ def services(tmp_path_factory):
     finally:
         for p in reversed(procs):
             signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + 10  # one grace period for all: a Ray node can take longer to stop
         for p in procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             signal_group(p, signal.SIGKILL)  # whatever the node left behind in its group
