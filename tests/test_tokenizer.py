@@ -216,6 +216,30 @@ def test_every_family_trains_the_same_tokenizer_on_every_run(tmp_path):
     assert ours.encode("Größe Привет").tokens and ours.token_to_id(UNK_TOKEN) not in ours.encode("Größe Привет").ids
 
 
+def test_wordpiece_training_marks_exactly_the_characters_inside_words():
+    """BERT's pre-tokenizer splits the marked text into the same words as the plain
+    text; in each, every character but the first is marked; each character met
+    inside a word also comes once as a word of its own."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    from crawl2chat.stages.training.tokenizer import _ContinuationMarker, _unmark
+
+    text = ("Straße, naïve café! «Привет» — 東京は日本 x2+y=z ^_^ don't e-mail "
+            "tab\there\u00a0nbsp\u3000ideo ¿qué? ١٢٣ हिन्दी 𝔘𝔫𝔦 smile🙂 a\U000f0001b")
+    normal = normalizers.BertNormalizer(strip_accents=False, lowercase=False).normalize_str(text)
+    split = pre_tokenizers.BertPreTokenizer().pre_tokenize_str
+    mark = _ContinuationMarker()
+    marked = mark(normal)
+    plain_words = [w for w, _ in split(normal.replace("\U000f0001", ""))]
+    marked_words = [w for w, _ in split(marked)]
+    words, singles = marked_words[:len(plain_words)], marked_words[len(plain_words):]
+    assert [_unmark(w) for w in words] == plain_words
+    for plain, word in zip(plain_words, words):
+        assert word[0] == plain[0] and all(ord(c) >= 0xF0000 for c in word[1:]), (plain, word)
+    assert sorted(singles) == sorted({c for w in plain_words for c in w[1:]})
+    assert [w for w, _ in split(mark(normal))] == words  # each character comes alone once only
+
+
 @pytest.mark.parametrize("tokenizer_type", ["bpe", "wordpiece", "unigram"])
 def test_encoder_objectives_get_their_special_tokens(corpus, tmp_path, tokenizer_type):
     from crawl2chat.stages.training.tokenizer import CLS_TOKEN, MASK_TOKEN, SEP_TOKEN, sentinel

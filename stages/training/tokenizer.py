@@ -185,26 +185,61 @@ def train_tokenizer(
 
 # A word's continuation characters as the BPE trainer sees them when it learns a
 # WordPiece vocabulary: planes 0 and 1 shifted into the private-use planes 15
-# and 16. Characters beyond keep their spelling (CJK extensions are words of
-# their own after BERT's pre-tokenizer); private-use ones of planes 15-16 are
-# left out.
+# and 16 (characters beyond keep their spelling: CJK extensions are words of
+# their own after BERT's normaliser). Private-use characters of planes 15-16
+# already in the text are removed first.
 _MARK_OFFSET = 0xF0000
+_MARKED_BELOW = 0x20000
+# Unicode's White_Space characters, where BERT's pre-tokenizer splits words.
+_WHITESPACE = [*range(0x09, 0x0E), 0x20, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
+               0x205F, 0x3000]
+_MARK_CHUNK_CHARS = 1 << 20
 
 
-class _ContinuationMarks(dict):
-    """``str.translate`` table: character -> its continuation mark. ``first_seen``
-    collects the characters met for the first time."""
+def _word_characters():
+    """Whether each code point of planes 0-1 belongs inside a word for BERT's
+    pre-tokenizer: neither white space nor punctuation (ASCII punctuation or a
+    Unicode P* category)."""
+    import string
+    import unicodedata
+
+    import numpy as np
+
+    word = np.ones(_MARKED_BELOW, dtype=bool)
+    word[_WHITESPACE] = False
+    word[[ord(c) for c in string.punctuation]] = False
+    word[[c for c in range(_MARKED_BELOW) if unicodedata.category(chr(c)).startswith("P")]] = False
+    return word
+
+
+class _ContinuationMarker:
+    """Rewrites normalised text with each word's continuation characters marked,
+    a whole chunk of documents at once (no Python work per word)."""
 
     def __init__(self):
-        super().__init__()
-        self.first_seen: list[str] = []
+        import numpy as np
 
-    def __missing__(self, code: int) -> str | None:
-        mark = None if code >= _MARK_OFFSET else chr(code + _MARK_OFFSET) if code < 0x20000 else chr(code)
-        self[code] = mark
-        if mark is not None:
-            self.first_seen.append(chr(code))
-        return mark
+        self.np = np
+        self.word = _word_characters()
+        self.seen = np.zeros(_MARKED_BELOW, dtype=bool)  # characters met inside a word so far
+
+    def __call__(self, text: str) -> str:
+        np = self.np
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        codes = codes[codes < _MARK_OFFSET]
+        low = codes < _MARKED_BELOW
+        word = np.ones(len(codes), dtype=bool)
+        word[low] = self.word[codes[low]]
+        inside = np.zeros(len(codes), dtype=bool)
+        inside[1:] = word[1:] & word[:-1]
+        inside &= low
+        cont = codes[inside]
+        new = np.unique(cont[~self.seen[cont]])
+        self.seen[new] = True
+        marked = codes + np.where(inside, np.uint32(_MARK_OFFSET), np.uint32(0))
+        # Every character also enters the alphabet as a word's first, as in WordPiece's
+        # own trainer: once, as a word of one character (which adds no pair to count).
+        return marked.tobytes().decode("utf-32-le") + "".join(" " + chr(c) for c in new.tolist())
 
 
 def _unmark(piece: str) -> str:
@@ -222,26 +257,27 @@ def _train_wordpiece(tok, texts: Iterator[str], vocab_size: int, min_frequency: 
     those numbers, so two runs over one corpus can keep different pieces
     (huggingface/tokenizers#1794, open at 0.23). Here every word's continuation
     characters are written as private-use characters before the same BPE trainer
-    runs, so they belong to its alphabet, which it numbers in sorted order, and
-    each learned piece is spelled back the WordPiece way. Private-use characters
-    of planes 15 and 16 in the text are left out of training (they are unknown
-    to the tokenizer)."""
+    runs (with BERT's pre-tokenizer, which keeps them inside their words), so they
+    belong to its alphabet, which it numbers in sorted order, and each learned
+    piece is spelled back the WordPiece way."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    marks = _ContinuationMarks()
-    normalize, split = tok.normalizer.normalize_str, tok.pre_tokenizer.pre_tokenize_str
+    mark, normalize = _ContinuationMarker(), tok.normalizer.normalize_str
 
-    def marked_words(text: str) -> str:
-        words = [w[0] + w[1:].translate(marks) for w, _ in split(normalize(text)) if ord(w[0]) < _MARK_OFFSET]
-        # Every character also enters the alphabet as a word's first, as in WordPiece's
-        # own trainer: once, as a word of one character (which adds no pair to count).
-        words += marks.first_seen
-        marks.first_seen.clear()
-        return " ".join(words)
+    def marked_chunks() -> Iterator[str]:
+        chunk, size = [], 0
+        for text in texts:
+            chunk.append(text)
+            size += len(text)
+            if size >= _MARK_CHUNK_CHARS:
+                yield mark(normalize("\n".join(chunk)))
+                chunk, size = [], 0
+        if chunk:
+            yield mark(normalize("\n".join(chunk)))
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    bpe.train_from_iterator((marked_words(t) for t in texts), trainer=trainers.BpeTrainer(
+    bpe.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    bpe.train_from_iterator(marked_chunks(), trainer=trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials, show_progress=False))
     special = set(specials)
     vocab = {(p if p in special else _unmark(p)): i for p, i in bpe.get_vocab().items()}
