@@ -195,6 +195,17 @@ def test_list_input_files_names_the_missing_path(tmp_path):
         list_input_files([str(tmp_path), missing])
 
 
+def test_a_folder_without_crawl_files_is_named_with_what_it_holds(tmp_path):
+    docs, crawl = tmp_path / "docs", tmp_path / "crawl"
+    docs.mkdir()
+    crawl.mkdir()
+    (docs / "part-0001.jsonl.gz").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"docs: no WARC, ARC or WET file .*part-0001\.jsonl\.gz"):
+        list_input_files([str(docs)])
+    (crawl / "a.warc.gz").write_bytes(b"")
+    assert list_input_files([str(docs), str(crawl)]) == [str(crawl / "a.warc.gz")]  # found elsewhere: no error
+
+
 @pytest.mark.parametrize(
     "name, content, error",
     [

@@ -55,8 +55,10 @@ _FILE_BREAKING_ERRORS = (*_STREAM_ERRORS, ValueError, UnicodeError)
 def list_input_files(paths: list[str]) -> list[str]:
     """Crawl files named by ``paths``: files as given, folders (local or fsspec URLs such as
     ``s3://bucket/prefix/``) searched recursively for archive names, glob patterns expanded.
-    Sorted and without duplicates, so every worker and every rerun sees the same list."""
+    Sorted and without duplicates, so every worker and every rerun sees the same list. When
+    nothing is found and a folder was given, the error names the folder and what it holds."""
     found: set[str] = set()
+    empty: list[tuple[str, list[str]]] = []  # folders given that hold no crawl file
     for path in paths:
         fs, root = fsspec.core.url_to_fs(path)
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
@@ -73,9 +75,18 @@ def list_input_files(paths: list[str]) -> list[str]:
         elif not fs.exists(root):
             raise FileNotFoundError(f"input path does not exist: {path!r}")
         elif fs.isdir(root):
-            found.update(name(p) for p in fs.find(root) if p.lower().endswith(INPUT_SUFFIXES))
+            inside = fs.find(root)
+            archives = [name(p) for p in inside if p.lower().endswith(INPUT_SUFFIXES)]
+            found.update(archives)
+            if not archives:
+                empty.append((path, inside))
         else:
             found.add(name(root))
+    if not found and empty:
+        path, inside = empty[0]
+        others = f"; it holds {len(inside)} other files, such as {', '.join(p.rsplit('/', 1)[-1] for p in inside[:3])}"
+        raise FileNotFoundError(f"{path}: no WARC, ARC or WET file in this folder (names ending "
+                                f"{', '.join(INPUT_SUFFIXES)}){others if inside else ''}")
     return sorted(found)
 
 
