@@ -364,7 +364,8 @@ def _local_tokenize(files: list[Path], tokenizer_file: Path, val_fraction: float
     tokenize = _TokenizeBatch(str(tokenizer_file), val_fraction, group_column, use_weights)
     gone = pa.array(sorted(superseded), pa.string())
     for f in files:
-        table = pq.read_table(f, columns=[c for c in columns if c in pq.ParquetFile(f).schema_arrow.names])
+        present = set(pq.ParquetFile(f).schema_arrow.names)
+        table = pq.read_table(f, columns=[c for c in columns if c in present])
         table = pa.table({c: table[c] if c in table.column_names else pa.nulls(table.num_rows, pa.string())
                           for c in columns})
         keep = pc.fill_null(pc.not_equal(table["text"], ""), False)  # a null text is left out too

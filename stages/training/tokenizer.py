@@ -236,10 +236,10 @@ class _ContinuationMarker:
         cont = codes[inside]
         new = np.unique(cont[~self.seen[cont]])
         self.seen[new] = True
-        marked = codes + np.where(inside, np.uint32(_MARK_OFFSET), np.uint32(0))
+        codes[inside] += _MARK_OFFSET
         # Every character also enters the alphabet as a word's first, as in WordPiece's
         # own trainer: once, as a word of one character (which adds no pair to count).
-        return marked.tobytes().decode("utf-32-le") + "".join(" " + chr(c) for c in new.tolist())
+        return codes.tobytes().decode("utf-32-le") + "".join(" " + chr(c) for c in new.tolist())
 
 
 def _unmark(piece: str) -> str:
