@@ -46,6 +46,11 @@ How the two sides are made comparable
   and k) and a different host in WARC-Target-URI (``cK.<host>``); payloads are byte-for-byte
   the same, so at Nx every document has N-1 exact duplicates. This deliberately exercises
   the dedup path (clusters of size N); the kept count after dedup stays roughly constant.
+  crawl2chat extracts a body it has extracted lately only once (``stages/data/extract.py``),
+  so at Nx its extract step does about one page's work per distinct page. ``--distinct-payloads``
+  ends the HTML body of every response in copy k with the comment ``<!-- copy k -->``
+  (Content-Length adjusted): every body is then new to both sides and each page is extracted
+  again, while the extracted text, and so every later step, stays the same.
 """
 
 from __future__ import annotations
@@ -115,6 +120,50 @@ def _rewrite_headers(data: bytes, k: int) -> bytes:
     return b"".join(out)
 
 
+_CONTENT_LENGTH = re.compile(rb"(?im)^(Content-Length:[ \t]*)(\d+)")
+_RECORD_START = re.compile(rb"(?m)^WARC/[0-9]+\.[0-9]+\r?\n")
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+
+
+def _marked_body(body: bytes, http_head: bytes, mark: bytes) -> bytes | None:
+    """``body`` ending in ``mark`` once decoded as its HTTP head says, or None if it cannot be."""
+    try:
+        if re.search(rb"(?m)^transfer-encoding:[ \t]*chunked", http_head):  # a chunk before the last, empty one
+            end = body.rstrip().rfind(b"\n0")
+            return None if end < 0 else body[:end + 1] + b"%x\r\n%s\r\n" % (len(mark), mark) + body[end + 1:]
+        if body[:2] == b"\x1f\x8b":  # gzip content encoding (some crawls keep the header, not the coding)
+            return gzip.compress(gzip.decompress(body) + mark, mtime=0)
+        return body + mark
+    except (OSError, EOFError):
+        return None
+
+
+def _distinct_bodies(data: bytes, k: int) -> bytes:
+    """``data`` (WARC records) with ``<!-- copy k -->`` at the end of the HTML body of every
+    response record, the WARC (and any HTTP) Content-Length grown to match."""
+    mark = f"\n<!-- copy {k} -->".encode()
+    out, pos = [], 0
+    while (m := _RECORD_START.search(data, pos)) is not None:
+        head_end = data.find(b"\r\n\r\n", m.start())
+        length = _CONTENT_LENGTH.search(data, m.start(), head_end) if head_end > 0 else None
+        if length is None:
+            break
+        head, start = data[m.start():head_end], head_end + 4
+        block = data[start:start + int(length.group(2))]
+        split = _HEAD_END.search(block)
+        http_head = block[:split.start()].lower() if split else b""
+        if b"warc-type: response" in head.lower() and b"text/html" in http_head:
+            body = _marked_body(block[split.end():], http_head, mark)
+            if body is not None:
+                http = _CONTENT_LENGTH.sub(lambda g: g.group(1) + str(len(body)).encode(), block[:split.end()])
+                block = http + body
+                head = _CONTENT_LENGTH.sub(lambda g: g.group(1) + str(len(block)).encode(), head, count=1)
+        out += [data[pos:m.start()], head, b"\r\n\r\n", block]
+        pos = start + int(length.group(2))
+    out.append(data[pos:])
+    return b"".join(out)
+
+
 def _gzip_members(raw: bytes):
     while raw:
         d = zlib.decompressobj(31)
@@ -122,24 +171,30 @@ def _gzip_members(raw: bytes):
         raw = d.unused_data
 
 
-def replicate(src: str, dst: str, k: int) -> None:
-    """Copy ``src`` to ``dst`` with the record headers of copy ``k`` (k=0: byte copy).
+def replicate(src: str, dst: str, k: int, distinct_bodies: bool = False) -> None:
+    """Copy ``src`` to ``dst`` with the record headers of copy ``k`` (k=0: byte copy), and
+    with ``distinct_bodies`` its HTML bodies made distinct (:func:`_distinct_bodies`).
 
     A gzipped WARC is rewritten member by member, so each record stays its own gzip member.
     """
     if k == 0:
         shutil.copyfile(src, dst)
         return
+
+    def rewrite(data: bytes) -> bytes:
+        data = _rewrite_headers(data, k)
+        return _distinct_bodies(data, k) if distinct_bodies else data
+
     raw = Path(src).read_bytes()
     if raw[:2] == b"\x1f\x8b":
         with open(dst, "wb") as f:
             for member in _gzip_members(raw):
-                f.write(gzip.compress(_rewrite_headers(member, k), compresslevel=6, mtime=0))
+                f.write(gzip.compress(rewrite(member), compresslevel=6, mtime=0))
     else:
-        Path(dst).write_bytes(_rewrite_headers(raw, k))
+        Path(dst).write_bytes(rewrite(raw))
 
 
-def build_corpus(inputs: list[str], scale: int, root: Path) -> Path:
+def build_corpus(inputs: list[str], scale: int, root: Path, distinct_bodies: bool = False) -> Path:
     corpus = root / f"corpus-{scale}x"
     if corpus.exists():
         shutil.rmtree(corpus)
@@ -148,7 +203,7 @@ def build_corpus(inputs: list[str], scale: int, root: Path) -> Path:
         for src in inputs:
             name = Path(src).name
             stem, dot, ext = name.partition(".")
-            replicate(src, str(corpus / f"{stem}-c{k:02d}{dot}{ext}"), k)
+            replicate(src, str(corpus / f"{stem}-c{k:02d}{dot}{ext}"), k, distinct_bodies)
     return corpus
 
 
@@ -489,6 +544,8 @@ def main() -> None:
     ap.add_argument("--engine", choices=["auto", "ray", "local"], default="auto",
                     help="crawl2chat's data engine: Ray Data on --workers CPUs, in-process (one core), or as "
                          "`crawl2chat data` picks it (auto: in-process up to data.local_max_mb of input)")
+    ap.add_argument("--distinct-payloads", action="store_true",
+                    help="make every copy's HTML bodies distinct, so no page's extraction is reused")
     ap.add_argument("--workers", type=int, default=2, help="Ray CPUs / datatrove worker processes")
     ap.add_argument("--bench-python", default=None, help="python of a datatrove venv (default: the peer venv "
                     "benchmarks/peers.py keeps)")
@@ -547,7 +604,7 @@ def main() -> None:
     results: dict[int, dict] = {}
     try:
         for scale in scales:
-            corpus = build_corpus(inputs, scale, root)
+            corpus = build_corpus(inputs, scale, root, args.distinct_payloads)
             files = corpus_files(corpus)
             corpus_bytes = sum(os.path.getsize(f) for f in files)
             results[scale] = {"files": len(files), "bytes": corpus_bytes}

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from crawl2chat.stages.data.extract import decode_body, html_to_text, looks_binary, parse_content_type, sniff_html
+from crawl2chat.stages.data import extract
+from crawl2chat.stages.data.extract import (
+    body_to_text,
+    decode_body,
+    html_to_text,
+    looks_binary,
+    parse_content_type,
+    sniff_html,
+)
 from crawl2chat.stages.data.settings import ExtractConfig
 
 ARTICLE = (
@@ -43,6 +51,31 @@ def test_html_to_text_of_empty_page_is_empty(extractor):
 def test_html_to_text_rejects_unknown_extractor():
     with pytest.raises(ValueError, match="unknown extractor"):
         html_to_text(PAGE, "lynx")
+
+
+def test_a_repeated_html_body_is_extracted_once(monkeypatch):
+    calls = []
+    real = extract.html_to_text
+
+    def counting(html, extractor="resiliparse"):
+        calls.append(extractor)
+        return real(html, extractor)
+
+    monkeypatch.setattr(extract, "html_to_text", counting)
+    body = PAGE.replace("river town", "river town of Käsberg").encode("utf-8")
+    first = body_to_text(body, "utf-8", True, "resiliparse")
+    assert "Käsberg" in first and "Cookie settings" not in first
+    assert body_to_text(body, "utf-8", True, "resiliparse") == first
+    assert calls == ["resiliparse"]
+    # What the text depends on is part of the key: the declared charset, the extractor, the bytes.
+    latin = body_to_text(body, "iso-8859-1", True, "resiliparse")
+    assert "KÃ¤sberg" in latin
+    assert body_to_text(body, "utf-8", True, "trafilatura").count("Käsberg") >= 1
+    assert "Käsberg" in body_to_text(body + b"<!-- x -->", "utf-8", True, "resiliparse")
+    assert calls == ["resiliparse", "resiliparse", "trafilatura", "resiliparse"]
+    # A text body is decoded, never extracted.
+    assert body_to_text(b"plain words", "utf-8", False) == "plain words"
+    assert len(calls) == 4
 
 
 def test_decode_trusts_http_charset_when_it_decodes():

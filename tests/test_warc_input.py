@@ -414,3 +414,22 @@ def test_file_cut_inside_a_gzip_member_is_reported_and_the_cut_record_quarantine
         # What was read of its text begins the whole text, unless the body was cut inside its
         # first tag (the extractor then sees a bare "<").
         assert whole[len(prefix)]["text"].startswith(cut_row["text"][:200]) or cut_row["text"].strip() == "<"
+
+
+def test_a_page_under_two_urls_gives_two_documents_with_one_text(tmp_path, monkeypatch):
+    from crawl2chat.stages.data import extract
+
+    calls = []
+    real = extract.html_to_text
+    monkeypatch.setattr(extract, "html_to_text", lambda h, e="resiliparse": calls.append(e) or real(h, e))
+    page = html(GERMAN + "<p>Eine Seite, zwei Adressen, einmal gelesen.</p>").encode("utf-8")
+    path = tmp_path / "twice.warc.gz"
+    with open(path, "wb") as out:
+        writer = WARCWriter(out, gzip=True)
+        http_response(writer, "http://example.com/page?utm_source=a", page, [("Content-Type", "text/html; charset=utf-8")])
+        http_response(writer, "https://example.com/page", page, [("Content-Type", "text/html; charset=utf-8")])
+    docs = kept(WarcReader(ExtractConfig(min_text_chars=10)).run(str(path)))
+    assert [d["url"] for d in docs] == ["http://example.com/page?utm_source=a", "https://example.com/page"]
+    assert docs[0]["id"] != docs[1]["id"]
+    assert docs[0]["text"] == docs[1]["text"] and "zwei Adressen" in docs[0]["text"]
+    assert len(calls) == 1

@@ -34,7 +34,7 @@ from warcio.archiveiterator import ArchiveIterator
 from warcio.exceptions import ArchiveLoadFailed
 
 from crawl2chat.stages.data.base import Document
-from crawl2chat.stages.data.extract import decode_body, html_to_text, looks_binary, parse_content_type, sniff_html
+from crawl2chat.stages.data.extract import body_to_text, looks_binary, parse_content_type, sniff_html
 from crawl2chat.stages.data.settings import ExtractConfig
 
 # Names picked up when a folder is given. Plain ``*.txt`` is not: folders of crawl
@@ -318,10 +318,7 @@ class WarcReader:
             mime = "text/html" if is_html else "text/plain"
         doc["content_type"] = mime
 
-        text = decode_body(body, charset)
-        if is_html:
-            text = html_to_text(text, config.extractor)
-        doc["text"] = text.strip()
+        doc["text"] = body_to_text(body, charset, is_html, config.extractor).strip()
         return None if len(doc["text"]) >= max(config.min_text_chars, 1) else "no_text"
 
     # -- cc_net-style plain-text WET --------------------------------------------------------
