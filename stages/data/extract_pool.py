@@ -2,20 +2,24 @@
 
 Extraction is the one data step with much work per page (~2.5 ms with
 Resiliparse, ~36 ms with Trafilatura, all of it holding the GIL), so on the local
-engine a large enough input is split over one process per CPU, each a fresh
-``python -m crawl2chat.stages.data.extract_pool`` that reads its share of the
-input files and writes their Parquet files into the step's folder, the same
-rows one process writes. Fresh processes, not ``multiprocessing``: a spawned
-``multiprocessing`` child first re-runs the caller's main script (whatever a
-script that calls the steps without a ``__main__`` guard does at import), and a
-forked one inherits the locks of a flow's other threads. Each worker dies with
-the thread that started it (:mod:`crawl2chat.stages.lifetime`) and carries the
-command's lifeline.
+engine a large enough input is split over one process per CPU: the step's own
+process and fresh ``python -m crawl2chat.stages.data.extract_pool`` workers.
+Each takes the input's groups of a few files one at a time from one queue, the
+step's process from its own thread and a worker through its stdin, and writes
+their Parquet files into the step's folder, the same rows one process writes;
+a worker still starting leaves its groups to the others. Fresh processes, not
+``multiprocessing``: a spawned ``multiprocessing`` child first re-runs the
+caller's main script (whatever a script that calls the steps without a
+``__main__`` guard does at import), and a forked one inherits the locks of a
+flow's other threads. Each worker dies with the thread that started it
+(:mod:`crawl2chat.stages.lifetime`) and carries the command's lifeline.
 
-Starting a worker costs ~0.5 s of imports. Measured on 2 cores, one process against
-two: Trafilatura over 0.8 MB of WARC files 1.8-3.4 s against 2.3-2.5 s, over 3.4 MB
-8.9-9.1 s against 6.5-7.7 s; Resiliparse over 13.6 MB 2.4-3.7 s against 2.9-3.0 s;
-hence the thresholds below (Resiliparse's is the ``auto`` engine's whole range).
+Starting a worker costs ~0.5 s of imports, paid while the step's process
+already extracts. Measured on 2 cores, the step's process alone against it and
+one worker (inputs whose every body is distinct): Trafilatura over 0.8 MB of WARC
+files 2.3 s against 1.5-1.8 s; Resiliparse over 3.4 MB 0.9 s against 1.2 s,
+over 6.8 MB 1.6-2.2 s against 1.5-1.7 s, over 13.6 MB 3.0-3.6 s against
+1.8-2.8 s; hence the thresholds below.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
-EXTRACT_POOL_MIN_MB = {"trafilatura": 2.0, "resiliparse": 32.0}
+EXTRACT_POOL_MIN_MB = {"trafilatura": 0.5, "resiliparse": 6.0}
 
 
 def extract_processes(files: Sequence[str], extract_cfg: Any) -> int:
@@ -48,91 +53,141 @@ def extract_processes(files: Sequence[str], extract_cfg: Any) -> int:
     return min(cpus, len(files)) if mb >= EXTRACT_POOL_MIN_MB[extract_cfg.extractor] else 1
 
 
-def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, processes: int,
-                         on_done: Callable[[int, int], None]) -> None:
-    """Extract ``files`` into ``out_dir`` with ``processes`` workers, each given every
-    ``processes``-th of the input's groups of a few files (four groups per worker);
-    ``on_done(documents, files)`` is called as each group is written. What a worker
-    prints on stderr (library warnings, a traceback) goes to the log, not the terminal;
-    a worker that fails is named with its files and its last line, and the step is then
-    not committed."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    n_groups = min(len(files), 4 * processes)
-    groups = [list(files[i::n_groups]) for i in range(n_groups)]
-    settings = extract_cfg.model_dump(mode="json")
-    workers: list = []
-    try:
-        _run_workers(groups, processes, out_dir, settings, on_done, workers)
-    except BaseException:
-        for proc, _, _ in workers:  # the step failed here (an interrupt, a broken pipe): stop every worker
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        raise
-
-
-def _run_workers(groups: list[list[str]], processes: int, out_dir: str, settings: dict,
-                 on_done: Callable[[int, int], None], workers: list) -> None:
-    """Start the workers (appended to ``workers`` as they start), follow their progress, and
-    raise if one failed."""
-    from crawl2chat.stages.lifetime import die_with_parent_preexec
-
-    for share in (groups[i::processes] for i in range(processes)):
-        errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on it
-        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=errors, text=True, preexec_fn=die_with_parent_preexec())
-        proc.stdin.write(json.dumps({"groups": share, "out_dir": out_dir, "extract": settings}))
-        proc.stdin.close()
-        workers.append((proc, share, errors))
-    lock = threading.Lock()
-
-    def follow(proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            documents, done = (int(x) for x in line.split())
-            with lock:
-                on_done(documents, done)
-
-    readers = [threading.Thread(target=follow, args=(p,), daemon=True) for p, _, _ in workers]
-    for t in readers:
-        t.start()
-    for t in readers:
-        t.join()
-    failed = []
-    for proc, share, errors in workers:
-        proc.wait()
-        errors.seek(0)
-        printed = errors.read().strip()
-        errors.close()
-        if proc.returncode != 0:
-            log.error("extract worker (pid %d) exited with status %d:\n%s", proc.pid, proc.returncode, printed)
-            failed.append((proc.returncode, share, printed.splitlines()[-1] if printed else ""))
-        elif printed:
-            log.info("extract worker (pid %d) printed:\n%s", proc.pid, printed)
-    if failed:
-        status, share, last = failed[0]
-        names = ", ".join(Path(f).name for group in share for f in group)
-        raise RuntimeError(f"the extract worker for {names} exited with status {status}" + (f": {last}" if last else ""))
-
-
-def _worker() -> None:
-    from crawl2chat.stages.data.pipeline import FILE_STATUS, extract_files
-    from crawl2chat.stages.data.settings import ExtractConfig
-    from crawl2chat.stages.fault_points import kill_point
-
+def write_group(group: Sequence[str], out_dir: str, extract_cfg: Any) -> int:
+    """Extract one group of files into ``out_dir`` (Parquet files of up to 512 rows); the
+    number of documents written (file-status rows not counted)."""
     import uuid
 
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    job = json.loads(sys.stdin.read())
+    from crawl2chat.stages.data.pipeline import FILE_STATUS, extract_files
+
+    prefix, documents = uuid.uuid4().hex[:12], 0
+    for i, table in enumerate(extract_files({"path": list(group)}, extract_cfg, 512)):
+        pq.write_table(table, f"{out_dir}/{prefix}_{i:06d}.parquet", compression="zstd")
+        is_status = pc.fill_null(pc.equal(table["record_type"], FILE_STATUS), False)
+        documents += table.num_rows - int(pc.sum(pc.cast(is_status, pa.int64())).as_py() or 0)
+    return documents
+
+
+def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, processes: int,
+                         on_done: Callable[[int, int], None]) -> None:
+    """Extract ``files`` into ``out_dir`` with this process and ``processes - 1`` workers,
+    all taking the input's groups of a few files (four groups per process) from one queue;
+    ``on_done(documents, files)`` is called as each group is written. What a worker prints on
+    stderr (library warnings, a traceback) goes to the log, not the terminal; a worker that
+    fails is named with its files and its last line, and the step is then not committed."""
+    from crawl2chat.stages.lifetime import die_with_parent_preexec
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    n_groups = min(len(files), 4 * processes)
+    # Largest groups first, so the last ones to finish are small (files of unknown size count as 0).
+    queue = deque(sorted((list(files[i::n_groups]) for i in range(n_groups)), key=_size, reverse=True))
+    lock = threading.Lock()
+    job = json.dumps({"out_dir": out_dir, "extract": extract_cfg.model_dump(mode="json")})
+    workers: list[_Worker] = []
+    try:
+        for _ in range(processes - 1):
+            errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty worker never blocks on it
+            proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=errors, text=True, preexec_fn=die_with_parent_preexec())
+            workers.append(_Worker(proc, errors, queue, lock, on_done, job))
+        while True:
+            with lock:
+                group = queue.popleft() if queue else None
+            if group is None:
+                break
+            documents = write_group(group, out_dir, extract_cfg)
+            with lock:
+                on_done(documents, len(group))
+        for worker in workers:
+            worker.reader.join()
+        _raise_if_failed(workers)
+    except BaseException:
+        for worker in workers:  # the step failed here (an interrupt, a broken pipe): stop every worker
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+                worker.proc.wait()
+        raise
+
+
+def _size(group: Sequence[str]) -> int:
+    return sum(os.path.getsize(f) if os.path.exists(f) else 0 for f in group)
+
+
+class _Worker:
+    """One worker process and the thread that hands it groups from the queue, one at a time,
+    and reports each it finishes."""
+
+    def __init__(self, proc: subprocess.Popen, errors: Any, queue: deque, lock: threading.Lock,
+                 on_done: Callable[[int, int], None], job: str):
+        self.proc, self.errors, self.done, self.lost = proc, errors, [], None
+        self.reader = threading.Thread(target=self._follow, args=(queue, lock, on_done, job), daemon=True)
+        self.reader.start()
+
+    def _follow(self, queue: deque, lock: threading.Lock, on_done: Callable[[int, int], None], job: str) -> None:
+        stdin, given = self.proc.stdin, None
+        try:
+            stdin.write(job + "\n")
+            stdin.flush()
+            if self.proc.stdout.readline().strip() != "ready":  # it failed to start; its exit status tells why
+                raise BrokenPipeError
+            while True:  # a group at a time, once the worker is ready: one still starting claims none
+                with lock:
+                    given = queue.popleft() if queue else None
+                if given is None:
+                    break
+                stdin.write(json.dumps(given) + "\n")
+                stdin.flush()
+                line = self.proc.stdout.readline()
+                if not line:  # the worker died on this group
+                    break
+                documents, done = (int(x) for x in line.split())
+                self.done.append(given)
+                with lock:
+                    on_done(documents, done)
+            stdin.close()
+        except (BrokenPipeError, ValueError):  # the worker is gone; its exit status tells why
+            pass
+        self.lost = given  # the group it had when it stopped, if any
+        self.proc.wait()
+
+
+def _raise_if_failed(workers: list[_Worker]) -> None:
+    failed = []
+    for worker in workers:
+        worker.errors.seek(0)
+        printed = worker.errors.read().strip()
+        worker.errors.close()
+        pid, status = worker.proc.pid, worker.proc.returncode
+        if status != 0:
+            log.error("extract worker (pid %d) exited with status %d:\n%s", pid, status, printed)
+            failed.append((status, worker.done + ([worker.lost] if worker.lost else []), printed))
+        elif printed:
+            log.info("extract worker (pid %d) printed:\n%s", pid, printed)
+    if failed:
+        status, groups, printed = failed[0]
+        names = ", ".join(Path(f).name for group in groups for f in group)
+        last = printed.splitlines()[-1] if printed else ""
+        raise RuntimeError(f"the extract worker for {names} exited with status {status}" + (f": {last}" if last else ""))
+
+
+def _worker() -> None:
+    from crawl2chat.stages.data.settings import ExtractConfig
+    from crawl2chat.stages.fault_points import kill_point
+
+    job = json.loads(sys.stdin.readline())
     cfg = ExtractConfig.model_validate(job["extract"])
-    for group in job["groups"]:
-        prefix, documents = uuid.uuid4().hex[:12], 0
-        for i, table in enumerate(extract_files({"path": group}, cfg, 512)):
-            pq.write_table(table, f"{job['out_dir']}/{prefix}_{i:06d}.parquet", compression="zstd")
-            is_status = pc.fill_null(pc.equal(table["record_type"], FILE_STATUS), False)
-            documents += table.num_rows - int(pc.sum(pc.cast(is_status, pa.int64())).as_py() or 0)
+    from crawl2chat.stages.data import pipeline  # noqa: F401 - imported before it says it is ready
+
+    if cfg.extractor == "trafilatura":
+        import trafilatura  # noqa: F401
+    print("ready", flush=True)
+    for line in sys.stdin:
+        group = json.loads(line)
+        documents = write_group(group, job["out_dir"], cfg)
         kill_point("extract_pool:group_written")  # a fault drill's worker dies here (as the OOM killer kills one)
         print(documents, len(group), flush=True)
 
