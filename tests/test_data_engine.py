@@ -204,8 +204,8 @@ def test_extract_pool_dies_with_its_parent(shared_data, tmp_path):
     assert not (tmp_path / "work" / "extract").exists()  # nothing committed
 
 
-def _distinct_warcs(folder: Path, n_files: int, pages: int) -> list[str]:
-    """``n_files`` WARC files of ``pages`` HTML pages each, no two bodies alike (so every page is
+def _distinct_warcs(folder: Path, pages: list[int]) -> list[str]:
+    """WARC files of ``pages[i]`` HTML pages each, no two bodies alike (so every page is
     extracted: a repeated body would be looked up)."""
     import io
     import random
@@ -217,11 +217,11 @@ def _distinct_warcs(folder: Path, n_files: int, pages: int) -> list[str]:
     words = "river bridge market stone guild wool salt timber valley harbour ledger museum square".split()
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for f in range(n_files):
+    for f, n_pages in enumerate(pages):
         path = folder / f"pages-{f:02d}.warc.gz"
         with open(path, "wb") as out:
             writer = WARCWriter(out, gzip=True)
-            for p in range(pages):
+            for p in range(n_pages):
                 paras = "".join(f"<p>{' '.join(rng.choices(words, k=40))} {f}-{p}-{i}.</p>" for i in range(30))
                 body = f"<html><body><nav>Home About</nav><article>{paras}</article></body></html>".encode()
                 http = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")], protocol="HTTP/1.1")
@@ -238,8 +238,9 @@ def test_a_failing_extract_worker_is_named_and_nothing_is_committed(tmp_path, mo
     its files; the step folder is not committed and a rerun builds it."""
     cfg = load_config(overrides={"data.out": str(tmp_path), "data.extract.extractor": "trafilatura"}).data
     monkeypatch.setitem(extract_pool.EXTRACT_POOL_MIN_MB, cfg.extract.extractor, 0.0)
-    # Enough work that the step's own process is still at it when the worker is ready for a group.
-    files = _distinct_warcs(tmp_path / "in", 12, 12)
+    # The step's own process takes the largest file first and is still at it (~3.5 s on 2 cores)
+    # when the worker is ready for a group (~1 s).
+    files = _distinct_warcs(tmp_path / "in", [1200] + [10] * 6)
     monkeypatch.setenv("CRAWL2CHAT_KILL_AT", "extract_pool:group_written")
     with pytest.raises(RuntimeError, match=r"the extract worker for .*\.warc.* exited with status -9"):
         steps.extract_step(files, str(tmp_path / "work"), cfg.extract, engine_name=LOCAL)

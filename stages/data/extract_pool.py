@@ -123,7 +123,7 @@ class _Worker:
 
     def __init__(self, proc: subprocess.Popen, errors: Any, queue: deque, lock: threading.Lock,
                  on_done: Callable[[int, int], None], job: str):
-        self.proc, self.errors, self.done, self.lost = proc, errors, [], None
+        self.proc, self.errors, self.done, self.lost, self.finished = proc, errors, [], None, False
         self.reader = threading.Thread(target=self._follow, args=(queue, lock, on_done, job), daemon=True)
         self.reader.start()
 
@@ -143,15 +143,18 @@ class _Worker:
                 stdin.flush()
                 line = self.proc.stdout.readline()
                 if not line:  # the worker died on this group
-                    break
+                    raise BrokenPipeError
                 documents, done = (int(x) for x in line.split())
                 self.done.append(given)
+                given = None
                 with lock:
                     on_done(documents, done)
             stdin.close()
-        except (BrokenPipeError, ValueError):  # the worker is gone; its exit status tells why
-            pass
-        self.lost = given  # the group it had when it stopped, if any
+            self.finished = True
+        except Exception:  # noqa: BLE001 - the worker is gone, or talks nonsense: it is stopped here
+            self.lost = given  # the group it had, if any
+            if self.proc.poll() is None:
+                self.proc.kill()
         self.proc.wait()
 
 
@@ -162,34 +165,39 @@ def _raise_if_failed(workers: list[_Worker]) -> None:
         printed = worker.errors.read().strip()
         worker.errors.close()
         pid, status = worker.proc.pid, worker.proc.returncode
-        if status != 0:
+        if status != 0 or not worker.finished:
             log.error("extract worker (pid %d) exited with status %d:\n%s", pid, status, printed)
-            failed.append((status, worker.done + ([worker.lost] if worker.lost else []), printed))
+            failed.append((status, [worker.lost] if worker.lost else worker.done, printed))
         elif printed:
             log.info("extract worker (pid %d) printed:\n%s", pid, printed)
     if failed:
         status, groups, printed = failed[0]
         names = ", ".join(Path(f).name for group in groups for f in group)
         last = printed.splitlines()[-1] if printed else ""
-        raise RuntimeError(f"the extract worker for {names} exited with status {status}" + (f": {last}" if last else ""))
+        who = f"the extract worker for {names}" if names else "an extract worker, before it took any file,"
+        raise RuntimeError(f"{who} exited with status {status}" + (f": {last}" if last else ""))
 
 
 def _worker() -> None:
     from crawl2chat.stages.data.settings import ExtractConfig
     from crawl2chat.stages.fault_points import kill_point
 
+    # Its stdout is the talk with the step's process alone: whatever a library prints goes to stderr.
+    talk = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     job = json.loads(sys.stdin.readline())
     cfg = ExtractConfig.model_validate(job["extract"])
     from crawl2chat.stages.data import pipeline  # noqa: F401 - imported before it says it is ready
 
     if cfg.extractor == "trafilatura":
         import trafilatura  # noqa: F401
-    print("ready", flush=True)
+    print("ready", file=talk, flush=True)
     for line in sys.stdin:
         group = json.loads(line)
         documents = write_group(group, job["out_dir"], cfg)
         kill_point("extract_pool:group_written")  # a fault drill's worker dies here (as the OOM killer kills one)
-        print(documents, len(group), flush=True)
+        print(documents, len(group), file=talk, flush=True)
 
 
 if __name__ == "__main__":
