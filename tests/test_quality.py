@@ -340,6 +340,10 @@ def test_vectorised_ngram_stats_equal_the_plain_definitions():
         for n in (1, 2, 3, 4, 5, 7, 10):
             assert grams.top_chars(n) == _top_reference(words, n), (trial, n, words)
             assert grams.duplicate_chars(n) == _dup_reference(words, n), (trial, n, words)
+        # Asked in any order, each n gives the same: longer n-grams are found from shorter ones' repeats.
+        grams = NgramStats(words)
+        for n in (9, 6, 10, 5, 8, 2):
+            assert grams.duplicate_chars(n) == _dup_reference(words, n), (trial, n, words)
 
 
 def test_repetition_scales_ngrams_on_unspaced_text():
