@@ -249,7 +249,9 @@ class SideBySide:
     and reward model) gained nothing (51 vs 49 ms) and is not done. The two halves share
     no parameter and no graph; their gradients are exactly the joint loss's. Not used with
     several processes (DDP syncs gradients through the wrapped module's forward), mixed
-    precision (autocast wraps that forward too) or a single core."""
+    precision (autocast wraps that forward too) or a single core. Between the halves, the
+    gradient clipping and the optimizer step run on every core again: an update of 8 steps
+    took 332 against 365 ms, and 406 against 433 ms, than with those on half the cores."""
 
     pool: ThreadPoolExecutor
     threads: int
@@ -442,16 +444,6 @@ class PPORunner:
 
     def optimise(self, ro: dict[str, Any], step: int) -> dict[str, float]:
         self.model.train()
-        if self.side_by_side is not None:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(self.side_by_side.threads)
-            try:
-                return self._optimise(ro, step)
-            finally:
-                torch.set_num_threads(threads)
-        return self._optimise(ro, step)
-
-    def _optimise(self, ro: dict[str, Any], step: int) -> dict[str, float]:
         c = self.cfg
         B = ro["seq"].shape[0]
         mb = c.micro_batch_size * c.grad_accum
