@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+
 import pytest
 from pydantic import ValidationError
 
 from crawl2chat.stages.data.quality import C4Filter, FineWebQualityFilter, GopherQualityFilter, GopherRepetitionFilter, NgramStats, build_quality_blocks
 from crawl2chat.stages.data.settings import C4Config, GopherQualityConfig, QualityConfig
-from crawl2chat.stages.data.text import count_sentences, is_unspaced, split_words, stop_words
+from crawl2chat.stages.data.text import count_sentences, is_unspaced, split_words, stop_words, unspaced_fraction
 
 ENGLISH = (
     "The Rhine is one of the longest and most important rivers in Europe. It rises in the Swiss Alps "
@@ -358,6 +360,11 @@ def test_text_helpers():
     assert count_sentences("Es gibt 16.937 Studenten. Das ist viel! Oder?") == 3
     assert count_sentences("富士山は高い。とても美しい！") == 2
     assert is_unspaced(JAPANESE) and is_unspaced("", "zh") and not is_unspaced(GERMAN, "de")
+    # Unspaced characters over every character that is not white space (Unicode's, as regex \s).
+    for text in ("東京 tokyo", "東京\u3000\u2009東京\xa0ab\n", "", "  \t", "no such script", "ภาษาไทย คือ"):
+        spaces = sum(len(m) for m in re.findall(r"\s+", text))
+        unspaced = len(re.findall(r"[\u3040-\u30ff\u4e00-\u9fff\u0e00-\u0e7f]", text))
+        assert unspaced_fraction(text) == (unspaced / (len(text) - spaces) if unspaced else 0.0), text
     assert stop_words("en") == {"the", "be", "to", "of", "and", "that", "have", "with"}
     assert stop_words("ja") is None
     # Indic vowel signs and decomposed accents stay inside their words.

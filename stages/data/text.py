@@ -50,7 +50,6 @@ _MARKS = _combining_mark_class()
 _RUN = rf"[^\W{_UNSPACED}]+(?:[{_MARKS}]+[^\W{_UNSPACED}]*)*"
 _WORD_RE = re.compile(rf"[{_UNSPACED}]|{_RUN}(?:['’\-]{_RUN})*", re.UNICODE)
 _UNSPACED_RE = re.compile(rf"[{_UNSPACED}]")
-_SPACE_RE = re.compile(r"\s+")
 # Words as above, or a run of punctuation/symbols ("!!!", "$$$", ">>>", "|").
 _TOKEN_RE = re.compile(rf"{_WORD_RE.pattern}|[^\w\s]+", re.UNICODE)
 
@@ -84,10 +83,18 @@ def split_tokens(text: str) -> list[str]:
 
 def unspaced_fraction(text: str) -> float:
     """Share of non-space characters that belong to scripts written without spaces."""
-    chars = len(text) - sum(map(len, _SPACE_RE.findall(text)))
-    if not chars:
+    unspaced = len(_UNSPACED_RE.findall(text))
+    if not unspaced:  # most pages: no need to count the rest
         return 0.0
-    return len(_UNSPACED_RE.findall(text)) / chars
+    # Non-space characters: str.split's whitespace is exactly the regex \s (str.isspace).
+    return unspaced / sum(map(len, text.split()))
+
+
+@functools.lru_cache(maxsize=4)
+def _page_unspaced_fraction(text: str) -> float:
+    """:func:`unspaced_fraction` of a whole page, remembered for the last few pages (several
+    quality filters ask it of the same page)."""
+    return unspaced_fraction(text)
 
 
 class _Blanks(dict):
@@ -126,7 +133,7 @@ def is_unspaced(text: str, lang: str | None = None) -> bool:
     """
     if lang in UNSPACED_LANGUAGES:
         return True
-    return unspaced_fraction(text) >= 0.5
+    return _page_unspaced_fraction(text) >= 0.5
 
 
 # Characters that end a sentence (or a quoted sentence) across scripts: Latin,
