@@ -97,7 +97,7 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
         while True:
             with lock:
                 group = queue.popleft() if queue else None
-            if group is None:
+            if group is None or any(w.stopped_early() for w in workers):  # the step fails: no more work
                 break
             documents = write_group(group, out_dir, extract_cfg)
             with lock:
@@ -126,6 +126,9 @@ class _Worker:
         self.proc, self.errors, self.done, self.lost, self.finished = proc, errors, [], None, False
         self.reader = threading.Thread(target=self._follow, args=(queue, lock, on_done, job), daemon=True)
         self.reader.start()
+
+    def stopped_early(self) -> bool:
+        return not self.reader.is_alive() and not self.finished
 
     def _follow(self, queue: deque, lock: threading.Lock, on_done: Callable[[int, int], None], job: str) -> None:
         stdin, given = self.proc.stdin, None
