@@ -76,8 +76,8 @@ def decode_body(body: bytes, http_charset: str | None = None) -> str:
 
 # The main text of the HTML bodies this process extracted lately, by body digest, charset and
 # extractor. Crawls repeat bodies byte for byte: one page under several URLs (tracking and
-# session parameters, http and https, mirrors), soft-404 and parked-domain pages, a site's
-# unchanged pages in a later crawl of it. Extraction is the costliest per-page work of the data
+# session parameters, http and https, mirrors), soft-404 and parked-domain pages, the same
+# pages in overlapping crawl files. Extraction is the costliest per-page work of the data
 # stage (~2.5 ms a page with Resiliparse, ~36 ms with Trafilatura) and gives the same text for
 # the same bytes, so a body met again costs one hash of it. Bounded by the characters held.
 REPEATED_BODY_CHARS = 16 << 20
