@@ -15,6 +15,7 @@ censor strings in one language rather than count matches per page and language.
 from __future__ import annotations
 
 from importlib import resources
+from itertools import compress, count
 from pathlib import Path
 
 from crawl2chat.stages.data import fasttext_models
@@ -85,17 +86,16 @@ class HarmfulContentFilter(Block):
         if listed is None:
             return None
         words, phrases = listed
-        tokens = [w.lower() for w in page_words(text)]
-        found = sum(t in words for t in tokens)
+        tokens = list(map(str.lower, page_words(text)))
+        found = sum(map(words.__contains__, tokens))  # membership tested in C, word by word
         if phrases:
             # Only positions whose word starts a listed phrase are compared, one slice per phrase
             # length, instead of every phrase at every position (which cost more than all the
             # other quality rules together). The phrases are distinct, so a position matches at
             # most one phrase of each length: the count is the same.
             by_length, starts = self.phrase_index[lang or ""]
-            for i, token in enumerate(tokens):
-                if token in starts:
-                    found += sum(tuple(tokens[i:i + n]) in listed_n for n, listed_n in by_length)
+            for i in compress(count(), map(starts.__contains__, tokens)):
+                found += sum(tuple(tokens[i:i + n]) in listed_n for n, listed_n in by_length)
         return found, len(tokens)
 
     def process(self, doc: Document) -> str | None:
