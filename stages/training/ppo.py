@@ -251,7 +251,8 @@ class SideBySide:
     several processes (DDP syncs gradients through the wrapped module's forward), mixed
     precision (autocast wraps that forward too) or a single core. Between the halves, the
     gradient clipping and the optimizer step run on every core again: an update of 8 steps
-    took 332 against 365 ms, and 406 against 433 ms, than with those on half the cores."""
+    took 332 ms against 365 ms with them on half the cores (406 against 433 ms in a second
+    measurement, medians of alternated updates)."""
 
     pool: ThreadPoolExecutor
     threads: int
