@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from crawl2chat.tasks.train import launch_training
-from crawl2chat.stages.training.ppo import KLController, PPORunner, compute_gae, masked_whiten, ppo_losses, token_rewards
+from crawl2chat.stages.training.ppo import (KLController, PPORunner, answer_logprobs, compute_gae, masked_whiten, ppo_losses,
+                                           token_rewards)
 from crawl2chat.stages.training.settings import PPOConfig
 from crawl2chat.stages.training.trainer import read_metrics
 from test_reward import rule_pairs
@@ -71,6 +72,27 @@ def test_ppo_losses_by_hand():
     assert out["loss"].item() == pytest.approx((-0.1 / 3) + 0.5 * vl - 0.01 * 2.0, rel=1e-5)
     assert out["approx_kl"].item() == pytest.approx(
         0.5 * sum(math.log(r) ** 2 for r in (1.5, 0.5, 0.7)) / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_answer_logprobs_and_entropies_match_their_definitions(temperature):
+    """The answer tokens' log-probabilities and the entropies, values and gradients,
+    against autograd through the plain formulas (float64, any mix of the two gradients)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 17, dtype=torch.float64, requires_grad=True)
+    answer = torch.randint(0, 17, (3, 5))
+    g_lp, g_ent = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+
+    logp_all = torch.log_softmax(logits / temperature, -1)
+    lp_ref = logp_all.gather(-1, answer.unsqueeze(-1)).squeeze(-1)
+    ent_ref = -(logp_all.exp() * logp_all).sum(-1)
+    (grad_ref,) = torch.autograd.grad((lp_ref * g_lp).sum() + (ent_ref * g_ent).sum(), logits)
+
+    lp, ent = answer_logprobs(logits, answer, temperature)
+    (grad,) = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), logits)
+    assert torch.allclose(lp, lp_ref) and torch.allclose(ent, ent_ref)
+    assert torch.allclose(grad, grad_ref)
+    assert torch.autograd.gradcheck(lambda z: answer_logprobs(z, answer, temperature), (logits,))
 
 
 def test_token_rewards_and_kl_controller():
@@ -207,10 +229,11 @@ def test_rollout_bookkeeping(models, tmp_path):
         from crawl2chat.stages.training.ppo import answer_logprobs
 
         logits, values = runner.model(ro["seq"], ro["attn"], ro["pos"], answer_from=P)
-        assert logits.shape[1] == ro["seq"].shape[1] - P + 1  # no vocabulary projection over the prompt
-        lp, ent = answer_logprobs(logits, ro["seq"], P, cfg.temperature)
+        assert logits.shape[1] == ro["seq"].shape[1] - P  # no vocabulary projection over the prompt
+        lp, ent = answer_logprobs(logits, ro["seq"][:, P:], cfg.temperature)
         every, _ = runner.model(ro["seq"], ro["attn"], ro["pos"])  # every position's logits: the same answer
-        assert torch.allclose(answer_logprobs(every, ro["seq"], P, cfg.temperature)[0], lp, atol=1e-5)
+        assert torch.allclose(answer_logprobs(every[:, P - 1:-1], ro["seq"][:, P:], cfg.temperature)[0], lp,
+                              atol=1e-5)
         # The rollout's log-probabilities are the sampling pass's: those of a whole forward
         # pass within float noise on the answer, 0 past its end.
         assert torch.allclose(lp[mask.bool()], ro["logprobs"][mask.bool()], atol=1e-4)

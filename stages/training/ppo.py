@@ -207,29 +207,65 @@ class ActorCritic(torch.nn.Module):
         return self.critic.score(hidden).squeeze(-1).float()
 
     def forward(self, input_ids, attention_mask, position_ids, answer_from: int | None = None):
-        """The actor's logits and the critic's values at every position; from ``answer_from``
-        on, the logits only of the positions that predict the answer (``answer_from - 1`` to
-        the end): the vocabulary projection (a third to a half of a small model's forward,
-        at 128 wide and 4-6k tokens) is skipped over the prompt."""
+        """The actor's logits and the critic's values at every position; with ``answer_from``,
+        the logits only of the positions that predict the answer (``answer_from - 1`` to the
+        last but one): the vocabulary projection (a third to a half of a small model's
+        forward, at 128 wide and 4-6k tokens) is skipped over the prompt."""
         return (self.logits(input_ids, attention_mask, position_ids, answer_from),
                 self.values(input_ids, attention_mask, position_ids))
 
     def logits(self, input_ids, attention_mask, position_ids, answer_from: int | None = None):
         """The actor's logits (see :meth:`forward`)."""
-        keep = 0 if answer_from is None else input_ids.shape[1] - answer_from + 1
+        keep = 0 if answer_from is None else answer_positions(input_ids.shape[1], answer_from, input_ids.device)
         return self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False, logits_to_keep=keep).logits
 
 
-def answer_logprobs(logits: torch.Tensor, seq: torch.Tensor, prompt_len: int, temperature: float):
-    """Log-probabilities and entropies of the answer tokens ``seq[:, prompt_len:]``; ``logits``
-    are aligned on the end of ``seq`` (every position's, or only the last ones')."""
-    answer = seq.shape[1] - prompt_len
-    lg = logits[:, -answer - 1:-1].float() / temperature
-    logp_all = torch.log_softmax(lg, -1)
-    lp = logp_all.gather(-1, seq[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return lp, entropy
+def answer_positions(seq_len: int, prompt_len: int, device=None) -> torch.Tensor:
+    """The positions whose logits predict the answer ``seq[:, prompt_len:]``, as a model's
+    ``logits_to_keep``: exactly those, so no slice of the vocabulary-wide logits is taken
+    (its backward would write a zero-filled copy of them)."""
+    return torch.arange(prompt_len - 1, seq_len - 1, device=device)
+
+
+class _TokenLogprobEntropy(torch.autograd.Function):
+    """Log-probability of each chosen token and entropy of each position's distribution,
+    from one log-softmax, with their gradient written out.
+
+    The update's actor half spends much of its time on the vocabulary-wide tensors
+    (answer positions x vocabulary); autograd's chain for ``log_softmax``, ``gather``
+    and ``-(exp(logp) * logp).sum()`` makes about ten passes over them in the backward
+    (zero-filled gather and slice gradients, the product rule's two products, the
+    accumulation of two paths), this one four:
+    ``d/dz_k = g_lp * ([k == token] - p_k) - g_ent * p_k * (logp_k + H)``.
+    Measured on one core at the 1.6M-parameter bench shape (4 answers of 24 tokens,
+    6,018 words), an actor forward and backward took 21-23 ms against 24 ms."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor):
+        logp = torch.log_softmax(logits, -1)
+        p = logp.exp()
+        entropy = -torch.linalg.vecdot(p, logp)
+        lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(p, logp, entropy, tokens)
+        return lp, entropy
+
+    @staticmethod
+    def backward(ctx, g_lp: torch.Tensor, g_ent: torch.Tensor):
+        p, logp, entropy, tokens = ctx.saved_tensors
+        g_lp, g_ent = g_lp.unsqueeze(-1), g_ent.unsqueeze(-1)
+        grad = (logp + entropy.unsqueeze(-1)).mul_(-g_ent).sub_(g_lp).mul_(p)
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), g_lp)
+        return grad, None
+
+
+def answer_logprobs(logits: torch.Tensor, answer: torch.Tensor, temperature: float):
+    """Log-probabilities and entropies of the ``answer`` tokens (batch x answer length),
+    from ``logits`` aligned on them: position ``i`` predicts ``answer[:, i]``."""
+    lg = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 logits: in fp32
+    if temperature != 1.0:
+        lg = lg / temperature
+    return _TokenLogprobEntropy.apply(lg, answer)
 
 
 # ---------------------------------------------------------------- the run
@@ -391,8 +427,8 @@ class PPORunner:
         logprobs = torch.where(r_mask.bool(), logprobs, 0.0)
         values = self.acc.unwrap_model(self.model).values(seq, attn, pos)[:, P - 1:-1]
         ref_logits = self.ref(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False,
-                              logits_to_keep=seq.shape[1] - P + 1).logits
-        ref_logprobs, _ = answer_logprobs(ref_logits, seq, P, c.temperature)
+                              logits_to_keep=answer_positions(seq.shape[1], P, seq.device)).logits
+        ref_logprobs, _ = answer_logprobs(ref_logits, seq[:, P:], c.temperature)
         scores = self.rm(input_ids=seq, attention_mask=attn, position_ids=pos, use_cache=False).logits[:, 0].float()
         mask = r_mask.float()
         rewards, kl = token_rewards(logprobs, ref_logprobs, mask, scores, ended, self.kl.value, c.missing_eos_penalty)
@@ -416,7 +452,7 @@ class PPORunner:
         seq, attn, pos, mask = ro["seq"][idx], ro["attn"][idx], ro["pos"][idx], ro["mask"][idx]
 
         def actor_half(logits):
-            lp, ent = answer_logprobs(logits, seq, P, c.temperature)
+            lp, ent = answer_logprobs(logits, seq[:, P:], c.temperature)
             return policy_losses(lp, ent, ro["logprobs"][idx], ro["adv"][idx], mask, c.cliprange, c.ent_coef)
 
         def critic_half(values):
