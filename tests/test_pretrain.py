@@ -23,7 +23,8 @@ from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.settings import load_settings, parse_overrides
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.tasks.train import StageFailed, launch_training
-from crawl2chat.stages.training.trainer import Trainer, build_optimizer, build_scheduler, make_accelerator, read_metrics
+from crawl2chat.stages.training.trainer import (Trainer, all_finite, build_optimizer, build_scheduler,
+                                               clip_by_global_norm, make_accelerator, read_metrics)
 from crawl2chat.stages.training.settings import TrainConfig
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -264,6 +265,37 @@ def test_lion_and_weight_decay_groups():
     assert type(opt).__name__ == "Lion"
     decays = {p.dim(): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     assert decays == {2: 0.2, 1: 0.0}
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1.0])
+def test_clipping_matches_torch_bit_for_bit(scale):
+    """Below the limit the gradients are left as they were; above it they are torch's
+    clipped ones, to the bit; the norm returned is torch's."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    grads = [torch.randn(64, 32) * scale, torch.randn(32) * scale, torch.randn(7, 3) * scale]
+    ours = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for a, b, g in zip(ours, ref, grads):
+        a.grad, b.grad = g.clone(), g.clone()
+    unused = torch.nn.Parameter(torch.zeros(3))  # no gradient: not counted
+    norm = clip_by_global_norm(Accelerator(cpu=True), ours + [unused], 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    assert float(norm) == float(expected) and (float(norm) > 1.0) == (scale == 1.0)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, ref))
+    if scale < 1:
+        assert all(torch.equal(a.grad, g) for a, g in zip(ours, grads))
+
+
+def test_all_finite_is_exact_where_the_norm_overflows():
+    ts = [torch.zeros(5), torch.ones(3)]
+    assert all_finite(ts) and all_finite([])
+    ts[1][1] = 3e38  # finite, but its square overflows the norm: read one by one
+    assert all_finite(ts)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        ts[0][2] = bad
+        assert not all_finite(ts)
 
 
 def test_config_from_yaml_with_overrides(tmp_path):

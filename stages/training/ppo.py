@@ -76,9 +76,10 @@ from crawl2chat.stages.inference.generation import NonFiniteLogits, positions, s
 from crawl2chat.stages.training.chat_data import encode_prompt, end_of_turn_id, load_prompts, pad
 from crawl2chat.stages.training.models import enable_grad_checkpointing, is_checkpointing
 from crawl2chat.stages.training.stage import finished_summary, prepare_out, resolve, run_script, save_model, stage_parser
-from crawl2chat.stages.training.trainer import (MetricsWriter, TrainingDiverged, apply_lr_scale, build_optimizer,
-                                               build_scheduler, can_fuse, discard_checkpoints, good_checkpoints,
-                                               make_accelerator, peak_memory_mb, read_rollback_record, rollback_plan,
+from crawl2chat.stages.training.trainer import (MetricsWriter, TrainingDiverged, all_finite, apply_lr_scale,
+                                               build_optimizer, build_scheduler, can_fuse, clip_by_global_norm,
+                                               discard_checkpoints, good_checkpoints, make_accelerator,
+                                               peak_memory_mb, read_rollback_record, rollback_plan,
                                                save_checkpoint, write_rollback_record)
 from crawl2chat.stages.training.settings import PPOConfig
 
@@ -499,7 +500,7 @@ class PPORunner:
                     for key, v in out.items():
                         stats.setdefault(key, []).append(v.item())
                 max_norm = c.clip_norm if c.clip_norm > 0 else float("inf")
-                grad_norm = float(self.acc.clip_grad_norm_(self.model.parameters(), max_norm))
+                grad_norm = float(clip_by_global_norm(self.acc, self.model.parameters(), max_norm))
                 if not np.isfinite(grad_norm):
                     # A non-finite gradient never reaches the weights; the minibatch is skipped and counted.
                     self.optimizer.zero_grad(set_to_none=True)
@@ -552,7 +553,7 @@ class PPORunner:
         apply_lr_scale(self.scheduler, self.optimizer, self.cfg.lr * s.lr_scale)
 
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        return all_finite(list(self.model.parameters()))
 
     def rollback(self, reason: str, batch: int) -> None:
         """Back to a good checkpoint with a lower learning rate, past prompt batch ``batch``
