@@ -36,6 +36,11 @@ class LaunchError(RuntimeError):
             f"command exited with status {returncode}: {' '.join(cmd)}\n"
             f"log: {log_path}\n--- last lines ---\n{tail}")
 
+    def __reduce__(self):
+        # Ray (a node's launch on another machine) and Prefect (a task's failed state) carry
+        # exceptions between processes by pickling; the default rebuilds from the message alone.
+        return type(self), (self.cmd, self.returncode, self.tail, self.log_path)
+
 
 def accelerate_config_path(name: str) -> Path:
     """``"cpu_ddp"`` or ``"cpu_ddp.yaml"`` -> the packaged config file."""

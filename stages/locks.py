@@ -44,6 +44,9 @@ class FolderBusy(RuntimeError):
             f"{folder} is being written by {who}{f' ({holder})' if holder else ''}; wait for it to finish or "
             f"stop it, or set {WAIT_ENV}=SECONDS to wait for it")
 
+    def __reduce__(self):  # rebuilt whole where Ray or Prefect unpickles it, not from the message alone
+        return type(self), (self.folder, self.pid, self.holder)
+
 
 def lock_path(folder: str | os.PathLike) -> Path:
     folder = Path(folder).resolve()

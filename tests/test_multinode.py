@@ -86,3 +86,27 @@ def test_more_nodes_than_the_cluster_has_is_refused(cluster, parallel_reference,
     with pytest.raises(ValueError, match=r"num_processes=3 must split evenly over nodes=2"):
         launch_training("pretrain", {"data": str(shared["corpus"])}, str(tmp_path / "uneven"), max_steps=2,
                         overrides=overrides, num_processes=3, nodes=2)
+
+
+def test_failures_cross_processes_whole():
+    """A node's failed launch comes back from its Ray task, and a failed stage from a
+    Prefect task's state, by pickling: each failure is rebuilt with its own fields and
+    message, not as a deserialisation error."""
+    from pathlib import Path
+
+    import cloudpickle
+
+    from crawl2chat.infra.launch import LaunchError
+    from crawl2chat.stages.locks import FolderBusy
+    from crawl2chat.stages.training.failures import StageFailed
+
+    for err, fields in [
+        (LaunchError(["accelerate", "launch"], 1, "terminate called", Path("/x/train-node1.log")),
+         ("cmd", "returncode", "tail", "log_path")),
+        (StageFailed("pretrain", "permanent", "bad setting", Path("/x/train.log")),
+         ("stage", "kind", "message", "log_path")),
+        (FolderBusy(Path("/x/run"), 123, "pretrain"), ("folder", "pid", "holder")),
+    ]:
+        back = cloudpickle.loads(cloudpickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert all(getattr(back, f) == getattr(err, f) for f in fields)

@@ -39,6 +39,9 @@ class StageFailed(RuntimeError):
         self.stage, self.kind, self.message, self.log_path = stage, kind, message, log_path
         super().__init__(f"{stage}: {message} (full log: {log_path})")
 
+    def __reduce__(self):  # rebuilt whole where Ray or Prefect unpickles it, not from the message alone
+        return type(self), (self.stage, self.kind, self.message, self.log_path)
+
     @property
     def permanent(self) -> bool:
         return self.kind != TRANSIENT
