@@ -20,7 +20,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from crawl2chat.infra.progress import StepProgress
-from crawl2chat.infra.ray_runtime import ensure_ray
 from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
 from crawl2chat.stages.secrets import mask_secrets
@@ -193,6 +192,9 @@ def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None
     with their rate and the time left; ``then`` says what the step does once every
     document is counted. A step that is already done shows none."""
     if engine == "ray":
+        # Imported here: a build the in-process engine runs never imports Ray (~0.5 s of its start).
+        from crawl2chat.infra.ray_runtime import ensure_ray
+
         ensure_ray()
     progress = StepProgress("data", total, unit="documents", label=name)
 
@@ -352,6 +354,8 @@ def log_dataset(manifest: dict, out_dir: str, context: str) -> None:
 def write_task(results: Sequence[StepResult], out_dir: str, shard_bytes: int, config: dict,
                plan: VersionPlan | None = None, engine: str = "ray") -> dict:
     if engine == "ray":
+        from crawl2chat.infra.ray_runtime import ensure_ray
+
         ensure_ray()
     with stage_run("write", {"shard_bytes": shard_bytes, "out": out_dir}) as run:
         try:

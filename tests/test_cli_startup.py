@@ -31,3 +31,14 @@ def test_the_local_store_opens_while_the_prefect_api_comes_up(tmp_path):
         assert not (tmp_path / "other" / "mlflow.db").exists()
     finally:
         mlflow.set_tracking_uri(None)  # the environment is restored by conftest
+
+
+def test_a_data_build_imports_ray_only_to_run_on_it():
+    """The data flow and its tasks import without Ray (~0.5 s of a small build's start):
+    a build the in-process engine runs never loads it."""
+    import subprocess
+
+    probe = ("import sys, crawl2chat.flows.data, crawl2chat.tasks.data, crawl2chat.stages.data.pipeline; "
+             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
