@@ -167,10 +167,11 @@ class DataConfig(BaseModel):
         "('local' for input files of at most local_max_mb in all when RAY_ADDRESS is unset, else 'ray'). Both "
         "give the same dataset version.",
     )
-    local_max_mb: float = Field(
-        32.0, gt=0,
+    local_max_mb: float | None = Field(
+        None, gt=0,
         description="With engine 'auto': the most megabytes of input files (WARC/WET as stored, gzipped or not) "
-        "built in this process; larger inputs go to Ray.",
+        "built in this process; larger inputs go to Ray. Unset: 32 x 8 / CPUs, at least 32 (128 on 2 CPUs, "
+        "64 on 4, 32 from 8): in process only extraction uses every CPU.",
     )
     refresh: bool = Field(
         False,

@@ -145,6 +145,25 @@ def test_auto_picks_local_for_small_inputs_only(tmp_path, monkeypatch):
     assert choose("auto", [str(small)], 1.0) == RAY  # a named cluster is used
 
 
+def test_auto_builds_larger_inputs_in_process_on_fewer_cpus(tmp_path, monkeypatch):
+    """Unset, the in-process limit is 32 MB x 8 / CPUs, at least 32 MB: a 100 MB input is built
+    in process on 2 CPUs (limit 128 MB) and on Ray from 4 (64 MB)."""
+    from crawl2chat.stages.data import engine
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert [engine.default_local_max_mb(c) for c in (1, 2, 4, 8, 64)] == [256.0, 128.0, 64.0, 32.0, 32.0]
+    big = tmp_path / "big.warc.gz"
+    with open(big, "wb") as f:
+        f.truncate(100 * 2**20)  # sparse: 100 MB as the size the rule reads
+    assert load_config().data.local_max_mb is None
+    monkeypatch.setattr(engine, "usable_cpus", lambda: 2)
+    assert choose("auto", [str(big)], None) == LOCAL
+    assert choose("auto", [str(big)], 50.0) == RAY  # a set limit is the limit
+    monkeypatch.setattr(engine, "usable_cpus", lambda: 4)
+    assert choose("auto", [str(big)], None) == RAY
+    assert choose("auto", [str(big)], 200.0) == LOCAL
+
+
 def test_engine_setting_is_refused_when_unknown():
     with pytest.raises(Exception, match="engine"):
         load_config(overrides={"data.engine": "spark"})

@@ -35,6 +35,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from crawl2chat.stages.data.engine import usable_cpus
+
 log = logging.getLogger(__name__)
 
 EXTRACT_POOL_MIN_MB = {"trafilatura": 0.5, "resiliparse": 6.0}
@@ -43,7 +45,7 @@ EXTRACT_POOL_MIN_MB = {"trafilatura": 0.5, "resiliparse": 6.0}
 def extract_processes(files: Sequence[str], extract_cfg: Any) -> int:
     """How many processes the local engine extracts ``files`` with: one, or one per CPU
     (at most one per file) for an input of at least ``EXTRACT_POOL_MIN_MB``."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     if cpus < 2 or len(files) < 2:
         return 1
     try:
