@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from crawl2chat.stages.data.engine import choose as choose_engine
+from crawl2chat.stages.data.engine import choose as choose_engine, local_limit_mb
 from crawl2chat.stages.data.versions import remove_leftovers
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.settings import Config, apply_profile
@@ -30,10 +30,13 @@ def build_settings(data) -> dict:
     return data.model_dump(mode="json", exclude=exclude)
 
 
-def engine_line(engine: str, setting: str) -> str:
+def engine_line(engine: str, setting: str, local_max_mb: float | None) -> str:
     """How the build line names the engine and why it was picked."""
     if engine == "local":
-        return "in this process" + (" (small input; data.engine=ray to use Ray)" if setting == "auto" else "")
+        if setting != "auto":
+            return "in this process"
+        return (f"in this process (input up to data.local_max_mb, {local_limit_mb(local_max_mb):g} MB here; "
+                f"data.engine=ray to use Ray)")
     return "on Ray"
 
 
@@ -83,7 +86,8 @@ def _build(config: Config, out: str) -> dict:
         return manifest
     what = f"refresh: {len(plan.files)} new input files" if plan.refresh else f"{len(plan.files)} input files"
     engine = choose_engine(data.engine, plan.files, data.local_max_mb)
-    print(f"[data] building {plan.name} ({what}) -> {out} [{engine_line(engine, data.engine)}]", flush=True)
+    where = engine_line(engine, data.engine, data.local_max_mb)
+    print(f"[data] building {plan.name} ({what}) -> {out} [{where}]", flush=True)
     work = plan.work_dir
     extracted = t.extract_task(plan.files, work, data.extract, engine)
     identified = t.langid_task(extracted, work, data.langid, engine)

@@ -64,7 +64,7 @@ def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path, engine)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "v0001: " in proc.stdout and " documents (" in proc.stdout
     used = "local" if engine == "auto" else "ray"
-    assert ("[in this process (small input" if used == "local" else "[on Ray]") in proc.stdout
+    assert ("[in this process (input up to data.local_max_mb, " if used == "local" else "[on Ray]") in proc.stdout
     # Not a terminal: each step's progress comes as plain lines (documents, rate), never redrawn,
     # and Ray's notices stay in its log files.
     for step in ("extract", "langid", "quality", "dedup", "balance"):

@@ -65,6 +65,11 @@ def default_local_max_mb(cpus: int) -> float:
     return 32.0 * max(1.0, 8 / max(1, cpus))
 
 
+def local_limit_mb(local_max_mb: float | None) -> float:
+    """The ``data.local_max_mb`` in force: the setting, or when unset this machine's default."""
+    return default_local_max_mb(usable_cpus()) if local_max_mb is None else local_max_mb
+
+
 def choose(setting: str, files: Sequence[str], local_max_mb: float | None) -> str:
     """The engine a build over ``files`` runs on: ``setting`` unless it is ``auto``;
     then ``ray`` when ``RAY_ADDRESS`` names a cluster or a file's size cannot be read
@@ -74,8 +79,7 @@ def choose(setting: str, files: Sequence[str], local_max_mb: float | None) -> st
         return setting
     if os.environ.get("RAY_ADDRESS"):
         return RAY
-    if local_max_mb is None:
-        local_max_mb = default_local_max_mb(usable_cpus())
+    local_max_mb = local_limit_mb(local_max_mb)
     total = 0
     for path in files:
         try:
