@@ -46,6 +46,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterable
+from typing import NoReturn
 
 OWNER_ENV = "CRAWL2CHAT_OWNER_PID"  # the pid of the process a launched job belongs to
 LIFELINE_ENV = "CRAWL2CHAT_LIFELINE"  # "<pid of the command>:<random>", inherited by all it starts
@@ -97,6 +98,33 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     if owner and owner.isdigit() and int(owner) not in ancestors():
         print(f"the process that started this run (pid {owner}) is gone; exiting", file=sys.stderr, flush=True)
         os._exit(137)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with status ``code``, skipping the interpreter's teardown:
+    ``atexit`` handlers run and the standard streams are flushed, then ``os._exit``.
+
+    A training rank ends this way because of torch's gloo backend: its worker
+    threads let go of a finished collective's tensors a moment after the caller's
+    wait returns (or whenever an unawaited prefetch, such as ZeRO-3's parameter
+    gathers, completes), and releasing a tensor that carries Python state takes the
+    GIL. Once teardown has begun Python makes any other thread that asks for the GIL
+    exit on the spot; inside that C++ destructor the exit aborts the process
+    (``terminate called without an active exception``, SIGABRT), so a run that
+    finished its work was reported as failed. Without a teardown no thread is made
+    to exit. Everything a stage writes is closed (and atomically renamed) before
+    its ``main`` returns; open files of the process are closed by the kernel."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()  # logging's flush among them
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):  # closed, or replaced by None
+                pass
+        os._exit(code)
 
 
 def ancestors(pid: int | None = None) -> list[int]:

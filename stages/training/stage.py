@@ -32,12 +32,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
-from crawl2chat.stages.lifetime import die_with_parent
+from crawl2chat.stages.lifetime import die_with_parent, exit_now
 from crawl2chat.stages.locks import FolderBusy, acquire
 from crawl2chat.stages.resources import exhaustion
 from crawl2chat.stages.secrets import mask_secrets
@@ -72,12 +72,17 @@ def _out_arg(argv: list[str]) -> Path | None:
     return None
 
 
-def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
-    """Run a stage's ``main``; on failure write ``OUT/failure.json`` (kind, message),
-    print the traceback and then one plain sentence, and exit with the kind's status
-    (2: bad input, 3: diverged, 5: out of disk space, file size limit or memory,
-    1: transient)."""
-    argv = sys.argv[1:] if argv is None else argv
+def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> NoReturn:
+    """Run a stage's ``main`` and end the process: on failure write ``OUT/failure.json``
+    (kind, message), print the traceback and then one plain sentence, and exit with
+    the kind's status (2: bad input, 3: diverged, 5: out of disk space, file size
+    limit or memory, 1: transient). The process ends without the interpreter's
+    teardown (:func:`crawl2chat.stages.lifetime.exit_now` says why)."""
+    exit_now(_run_main(main, sys.argv[1:] if argv is None else argv))
+
+
+def _run_main(main: Callable[[list[str]], Any], argv: list[str]) -> int:
+    """``main``'s exit status, its failure reported (see :func:`run_script`)."""
     die_with_parent()
     # A training process reports through OUT/metrics.jsonl; the launching task carries it
     # to MLflow. Libraries that probe for MLflow at import time (DeepSpeed's autotuner,
@@ -91,14 +96,14 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) 
             acquire(out)
         except FolderBusy as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_CODES[BUSY])
+            return EXIT_CODES[BUSY]
         (out / FAILURE_FILE).unlink(missing_ok=True)
     try:
         main(argv)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure is reported, then re-raised as an exit status
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - every failure is reported, then returned as an exit status
         if isinstance(e, SystemExit):
             if e.code in (0, None):
-                return
+                return 0
             kind, message = BAD_INPUT, f"invalid command line (exit status {e.code})"
         else:
             kind, message = failure_kind(e), str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -115,7 +120,8 @@ def run_script(main: Callable[[list[str]], Any], argv: list[str] | None = None) 
                 tmp.unlink(missing_ok=True)
                 print(f"error: could not write {out / FAILURE_FILE} ({write_error})", file=sys.stderr, flush=True)
         print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CODES[kind])
+        return EXIT_CODES[kind]
+    return 0
 
 
 def stage_parser(name: str, doc: str) -> argparse.ArgumentParser:
