@@ -377,7 +377,18 @@ _register_serving(app)
 
 
 def main() -> None:  # pragma: no cover
-    sys.exit(app())
+    """The console script: the command's status, and an exit without the interpreter's
+    teardown (:func:`crawl2chat.stages.lifetime.exit_now`)."""
+    from crawl2chat.stages.lifetime import exit_now
+
+    try:
+        code = app()
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # a message instead of a status, as sys.exit prints it
+        print(code, file=sys.stderr)
+        code = 1
+    exit_now(code or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

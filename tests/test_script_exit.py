@@ -1,6 +1,6 @@
 """How a training script's process ends (``stage.run_script``): with its status, its
-output flushed and its ``atexit`` handlers run, but without the interpreter's
-teardown, during which a gloo worker thread still releasing a collective's tensors
+output flushed, its other threads finished and its ``atexit`` handlers run, but
+without the interpreter's teardown, during which a gloo worker thread still releasing a collective's tensors
 aborts the process (``stages.lifetime.exit_now`` says how)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
-    import atexit, sys
+    import atexit, sys, threading, time
     from pathlib import Path
     import torch
     import torch.distributed as dist
@@ -27,6 +27,8 @@ SCRIPT = textwrap.dedent("""
         out = Path(argv[argv.index("--out") + 1])
         out.mkdir(parents=True, exist_ok=True)
         atexit.register(lambda: (out / "atexit").write_text("ran"))
+        # A thread still working when main returns is waited for, as at any Python exit.
+        threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("done"))).start()
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         x = torch.ones(2_000_000)
         x.state = "gathering"  # Python state on the tensor, as ZeRO-3 keeps on its parameters
@@ -51,6 +53,7 @@ def test_a_script_ends_with_its_status_output_and_exit_handlers_but_no_teardown(
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["work done"]
     assert (tmp_path / "ok" / "atexit").read_text() == "ran"
+    assert (tmp_path / "ok" / "thread").read_text() == "done"
     assert "interpreter teardown" not in done.stderr and "terminate called" not in done.stderr
 
     failed = run(tmp_path, "fail")
