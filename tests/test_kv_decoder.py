@@ -112,6 +112,10 @@ def test_other_models_and_capacity():
                         eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
     assert got == ref
     model = _model()
+    model.model.layers[0].mlp._hf_hook = object()  # accelerate's device hook on one module
+    assert not steps_in_place(model)
+    del model.model.layers[0].mlp._hf_hook
+    assert steps_in_place(model)
     decoder = KVDecoder(model, 4)
     with pytest.raises(ValueError, match="capacity 4"):
         decoder.prefill(torch.tensor([[1, 2, 3, 4, 5]]))

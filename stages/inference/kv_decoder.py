@@ -60,14 +60,14 @@ def forward_with_cache(model, input_ids: torch.Tensor, cache=None, **kwargs):
 
 def steps_in_place(model) -> bool:
     """Whether :class:`KVDecoder` can run ``model``'s decoding steps itself: a whole
-    ``LlamaForCausalLM`` with sdpa attention whose modules carry no hooks (FSDP, DeepSpeed
-    and accelerate's device hooks gather or move weights in them) and whose weights are
-    plain tensors of the configured shapes (not a shard of tensor parallelism)."""
+    ``LlamaForCausalLM`` with sdpa attention whose modules carry no hooks (FSDP, DeepSpeed,
+    tensor parallelism and accelerate's device hooks gather, split or move weights in
+    them) and whose weights are plain tensors of the configured shapes."""
     from transformers import LlamaForCausalLM
 
     if not isinstance(model, LlamaForCausalLM) or model.config._attn_implementation != "sdpa":
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules()):
         return False
     if any(type(p) is not torch.nn.Parameter or hasattr(p, "ds_id") for p in model.parameters()):
         return False
