@@ -56,8 +56,6 @@ def test_steps_match_the_forward_over_a_padded_batch(kv_heads, tied):
         ref = model(input_ids=seq, attention_mask=full_mask, position_ids=positions(full_mask)).logits
     P = ids.shape[1]
     for i, logits in enumerate(got):
-        real = mask.bool().any(1)  # every row has real tokens
-        assert real.all()
         torch.testing.assert_close(logits, ref[:, P - 1 + i], atol=2e-5, rtol=1e-4)
 
 
@@ -116,6 +114,10 @@ def test_other_models_and_capacity():
     assert not steps_in_place(model)
     del model.model.layers[0].mlp._hf_hook
     assert steps_in_place(model)
+    scaling = model.model.layers[1].self_attn.scaling
+    del model.model.layers[1].self_attn.scaling  # as in transformers releases before the attribute
+    assert not steps_in_place(model)
+    model.model.layers[1].self_attn.scaling = scaling
     decoder = KVDecoder(model, 4)
     with pytest.raises(ValueError, match="capacity 4"):
         decoder.prefill(torch.tensor([[1, 2, 3, 4, 5]]))

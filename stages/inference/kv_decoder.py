@@ -71,13 +71,15 @@ def steps_in_place(model) -> bool:
         return False
     if any(type(p) is not torch.nn.Parameter or hasattr(p, "ds_id") for p in model.parameters()):
         return False
-    cfg = model.config
-    layer = model.model.layers[0].self_attn
-    head_dim = layer.head_dim
-    q = getattr(layer.q_proj, "weight", None)
+    body = model.model
+    # Older transformers releases (the project allows 4.45 on) keep these elsewhere: their forward it is.
+    if not hasattr(body, "rotary_emb") or not all(hasattr(l.self_attn, "scaling") for l in body.layers):
+        return False
+    attn = body.layers[0].self_attn
+    q = getattr(attn.q_proj, "weight", None)
     # A quantised projection keeps its weight behind a method; its shape is the module's.
-    out_features = q.shape[0] if isinstance(q, torch.Tensor) else getattr(layer.q_proj, "out_features", None)
-    return out_features == cfg.num_attention_heads * head_dim
+    out_features = q.shape[0] if isinstance(q, torch.Tensor) else getattr(attn.q_proj, "out_features", None)
+    return out_features == model.config.num_attention_heads * attn.head_dim
 
 
 class KVDecoder:
