@@ -22,7 +22,7 @@ from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, pr
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.settings import load_settings, parse_overrides
 from crawl2chat.stages.training.registry import STAGES
-from crawl2chat.tasks.train import StageFailed, launch_training
+from crawl2chat.tasks.train import TRAINING_ALLOCATOR_ENV, StageFailed, launch_stage, launch_training
 from crawl2chat.stages.training.trainer import (Trainer, all_finite, build_optimizer, build_scheduler,
                                                clip_by_global_norm, make_accelerator, read_metrics)
 from crawl2chat.stages.training.settings import TrainConfig
@@ -332,6 +332,20 @@ def test_accelerate_command_and_streaming_failure(tmp_path):
     assert lines[:2] == ["line 0", "line 1"] and "boom" in err.value.tail and "line 0" not in err.value.tail
     assert err.value.returncode == 1 and (tmp_path / "log.txt").read_text().count("\n") == 101
     assert run_streaming(["python3", "-c", "print('ok')"], on_line=lines.append) == 0 and lines[-1] == "ok"
+
+
+def test_training_processes_start_with_fixed_allocator_thresholds(tmp_path, monkeypatch):
+    """What the launched process really sees: the thresholds, unless this environment sets its own."""
+    (tmp_path / "envprobe.py").write_text("import json, os, sys\n"
+                                          "json.dump({k: v for k, v in os.environ.items() if k.startswith('MALLOC_')},"
+                                          " open(sys.argv[1], 'w'))\n")
+    for name in TRAINING_ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    launch_stage("envprobe", [str(tmp_path / "a.json")], tmp_path / "a", env={"PYTHONPATH": str(tmp_path)})
+    assert json.loads((tmp_path / "a.json").read_text()) == TRAINING_ALLOCATOR_ENV
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    launch_stage("envprobe", [str(tmp_path / "b.json")], tmp_path / "b", env={"PYTHONPATH": str(tmp_path)})
+    assert json.loads((tmp_path / "b.json").read_text())["MALLOC_TRIM_THRESHOLD_"] == "0"
 
 
 @pytest.mark.slow
