@@ -23,6 +23,7 @@ GELU MLP's two) and text bytes a second (a BPE token carries a few characters).
     python benchmarks/bench_pretrain.py [--out DIR] [--quality-steps 2000] [--skip-quality]
         [--presets tiny,cpu-small,cpu] [--steps 30]   (--presets "" skips throughput)
     python benchmarks/bench_pretrain.py --presets "" --with-peer [--repeat 2]   # the paired nanoGPT run only
+    python benchmarks/bench_pretrain.py --presets "" --with-peer --short-steps 500,1000   # and time to a quality
 
 Prints one JSON document and writes it to OUT/bench_pretrain.json.
 """
@@ -68,7 +69,7 @@ def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: in
 
 
 def quality(out: Path, steps: int) -> dict:
-    run = out / "shakespeare"
+    run = out / f"shakespeare-{steps}"
     shutil.rmtree(run, ignore_errors=True)  # a finished run folder would be reused, not timed
     t0 = time.perf_counter()
     launch_training("pretrain", {"data": str(SHAKESPEARE)}, str(run), max_steps=steps, num_processes=1,
@@ -140,6 +141,9 @@ def main() -> None:
                                                              "on first use)")
     ap.add_argument("--repeat", type=int, default=1, help="with --with-peer: pairs of runs in alternating order "
                     "(nanoGPT first, then ours first, ...); each side's fastest run is compared")
+    ap.add_argument("--short-steps", default="", help="comma-separated step counts: after the quality run(s), ours "
+                    "again with each (the same recipe, its schedule over that length), whole command and bits per "
+                    "byte against the full-length run(s): the time each side takes to a quality")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -187,6 +191,13 @@ def main() -> None:
     elif args.with_peer and SHAKESPEARE.exists():
         result["nanogpt"] = nanogpt(out, args.quality_steps, args.with_peer)
         print(json.dumps({"nanogpt": result["nanogpt"]}), flush=True)
+    short = [int(n) for n in args.short_steps.split(",") if n.strip()]
+    if short and SHAKESPEARE.exists() and not args.skip_quality:
+        result["quality_short"] = []
+        for steps in short:
+            row = quality(out, steps)
+            result["quality_short"].append(row)
+            print(json.dumps({"quality_short": row}), flush=True)
     if "nanogpt" in result and "quality" in result:
         ours, peer = result["quality"], result["nanogpt"]
         result["vs_nanogpt"] = {"tokens_per_second": ours["tokens_per_second"] / peer["tokens_per_second"],
@@ -201,6 +212,11 @@ def main() -> None:
               f"x{vs['bytes_per_second']:.2f} ({ours['bytes_per_token']:.2f} bytes a BPE token, 1 a character), whole command "
               f"wall x{result['vs_nanogpt']['wall']:.2f}, bits per byte {ours['val_bpb']:.2f} vs {peer['val_bpb']:.2f}",
               flush=True)
+        for row in result.get("quality_short", []):
+            print(f"crawl2chat at {row['steps']} steps: {row['val_bpb']:.2f} bits per byte in "
+                  f"{row['wall_seconds_incl_launch']:.1f} s whole command, against nanoGPT's {peer['val_bpb']:.2f} in "
+                  f"{peer['wall_seconds_incl_launch']:.1f} s at {peer['steps']} steps "
+                  f"(x{row['wall_seconds_incl_launch'] / peer['wall_seconds_incl_launch']:.2f} the wall time)", flush=True)
     result["machine"]["load_average_at_end"] = os.getloadavg()
     (out / "bench_pretrain.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
