@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming
@@ -161,6 +162,44 @@ def test_two_process_ddp_matches_one_process(shared, reference):
     ref_metrics = json.loads((reference / "metrics.json").read_text())
     assert metrics["val_loss"] == pytest.approx(ref_metrics["val_loss"], rel=2e-3)
 
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager_and_rolls_back(shared, reference):
+    """``compile=true``: the same losses as the eager reference, the same saved model format,
+    and a rollback (weights reloaded under the compiled step) that goes on training."""
+    out, overrides = run_args(shared, "compiled", "grad_accum=2", "checkpoint_every=20", "eval_every=30",
+                              "compile=true")
+    kernels = shared["root"] / "inductor-cache"  # where this run's compiled kernels are written
+    launch_training("pretrain", {"data": str(shared["corpus"])}, str(out), max_steps=120, overrides=overrides,
+                    env={"TORCHINDUCTOR_CACHE_DIR": str(kernels)})
+    assert any(p.suffix == ".cpp" for p in kernels.rglob("*")), "nothing was compiled"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["compile"] is True and metrics["steps"] == 120
+    start = next(r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "start")
+    assert start["compile"] is True
+    ref_log, got_log = steps(reference), steps(out)
+    ref_loss = np.array([ref_log[s]["loss"] for s in range(1, 121)])
+    got_loss = np.array([got_log[s]["loss"] for s in range(1, 121)])
+    np.testing.assert_allclose(got_loss[:20], ref_loss[:20], rtol=1e-4)
+    np.testing.assert_allclose(got_loss, ref_loss, rtol=2e-3)
+    ref_metrics = json.loads((reference / "metrics.json").read_text())
+    assert metrics["val_loss"] == pytest.approx(ref_metrics["val_loss"], rel=2e-3)
+    assert load_file(out / "model" / "model.safetensors").keys() == load_file(
+        reference / "model" / "model.safetensors").keys()  # the module, not a compiled wrapper, was saved
+
+    out = train(shared, "compiled-nan", "checkpoint_every=10", "eval_every=0", "inject_nan_at_batches=[15]",
+                "compile=true", max_steps=30)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 30 and metrics["rollbacks"] == 1 and math.isfinite(metrics["val_loss"])
+    log = steps(out)
+    assert log[30]["loss"] < log[1]["loss"] and all(math.isfinite(r["loss"]) for r in log.values())
+
+
+def test_compile_is_refused_where_it_is_not_supported():
+    with pytest.raises(ValidationError, match="compile=true is not supported with tp_size=2"):
+        PretrainConfig(compile=True, tp_size=2)
+    with pytest.raises(ValidationError, match="compile=true is not supported with pp_size=2"):
+        PretrainConfig(compile=True, pp_size=2)
 
 def test_injected_nan_rolls_back_and_finishes(shared):
     out = train(shared, "nan", "checkpoint_every=10", "eval_every=0", "inject_nan_at_batches=[15]",

@@ -602,6 +602,12 @@ def make_accelerator(cfg: LoopConfig):
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise ValueError(f"{name}={size} runs over the plain or DDP accelerate configs, not "
                              f"{acc.distributed_type.value}; drop accelerate_config or set {name}=1")
+    if getattr(cfg, "compile", False):  # pretraining's setting
+        from accelerate.utils import DistributedType
+
+        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise ValueError(f"compile=true runs over the plain or DDP accelerate configs, not "
+                             f"{acc.distributed_type.value}; drop accelerate_config or set compile=false")
     if tp_size > 1:
         from crawl2chat.stages.training.parallel import check_tp_size, tp_mesh
 
@@ -719,6 +725,12 @@ class Trainer:
         # torch optimizer (the schedules read ``defaults``); the one inside it is
         # ours, with the same param groups.
         self.scheduler = build_scheduler(optimizer if self.deepspeed else self.optimizer, cfg)
+        # Pretraining's ``compile``: the training step's forward and loss through torch.compile
+        # (its backward is compiled with it). The model itself is not wrapped, so checkpoints,
+        # saving and rollback see the same module; evaluation calls ``loss_fn`` uncompiled
+        # (a second graph, for no-grad mode, would cost another compilation).
+        self.compiled = bool(getattr(cfg, "compile", False))
+        self.train_loss_fn = torch.compile(loss_fn) if self.compiled else loss_fn
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.scheduler, self.state)
         self.metrics = MetricsWriter(self.out / "metrics.jsonl", enabled=accelerator.is_main_process)
@@ -745,7 +757,7 @@ class Trainer:
                 self.acc.sync_gradients = last
             # Gradients are all-reduced once, on the last micro-batch.
             with nullcontext() if last or self.deepspeed else self.acc.no_sync(self.model):
-                loss, _ = self.loss_fn(self.model, batch)
+                loss, _ = self.train_loss_fn(self.model, batch)
                 if batch_index in self.cfg.inject_nan_at_batches:
                     loss = loss * float("nan")
                 self.acc.backward(loss if self.deepspeed else loss / self.cfg.grad_accum)
@@ -980,7 +992,11 @@ class Trainer:
             self.metrics.write({"type": "event", "event": "start", "step": 0, "world_size": self.world,
                                 "tp_size": self.tp_size, "pp_size": self.pp_size,
                                 "tokens_per_step": self.tokens_per_step, "peak_flops": self.peak_flops,
-                                "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model))})
+                                "grad_checkpointing": is_checkpointing(self.acc.unwrap_model(self.model)),
+                                "compile": self.compiled})
+        if self.compiled:
+            self.acc.print("compile: the first step compiles the training step (torch.compile; tens of seconds "
+                           "on a CPU unless torch's compile cache holds it)")
         t_start, tokens_start, step_times = time.perf_counter(), self.state.tokens_seen, []
         while self.state.step < cfg.max_steps:
             rec = self.train_step()
@@ -1005,6 +1021,9 @@ class Trainer:
                    "rollbacks": self.state.rollbacks, "world_size": self.world, "tp_size": self.tp_size,
                    "pp_size": self.pp_size,
                    "threads_per_process": torch.get_num_threads(), "device": str(self.acc.device),
+                   "compile": self.compiled,
+                   # The first step of this process: with compile, the compilation's time.
+                   "first_step_seconds": step_times[0] if step_times else float("nan"),
                    "final_train_loss": self.state.recent_losses[-1] if self.state.recent_losses else None,
                    **final_eval}
         if self.flops_per_token and self.peak_flops:
