@@ -164,3 +164,12 @@ def test_zero3_two_processes_match_plain(shared, plain, config):
     ref, got = load_file(plain / "model" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-3, atol=1e-4, msg=k)
+
+
+def test_compile_is_refused_under_deepspeed(shared):
+    from crawl2chat.tasks.train import StageFailed
+
+    with pytest.raises(StageFailed) as err:
+        train(shared, "compiled", "compile=true", max_steps=2)
+    assert "compile=true runs over the plain or DDP accelerate configs, not DEEPSPEED" in err.value.message
+    assert not (shared["root"] / "compiled" / "model").exists()

@@ -602,7 +602,7 @@ def make_accelerator(cfg: LoopConfig):
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise ValueError(f"{name}={size} runs over the plain or DDP accelerate configs, not "
                              f"{acc.distributed_type.value}; drop accelerate_config or set {name}=1")
-    if getattr(cfg, "compile", False):  # pretraining's setting
+    if hasattr(cfg, "compile") and cfg.compile:  # pretraining's setting
         from accelerate.utils import DistributedType
 
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
@@ -729,7 +729,7 @@ class Trainer:
         # (its backward is compiled with it). The model itself is not wrapped, so checkpoints,
         # saving and rollback see the same module; evaluation calls ``loss_fn`` uncompiled
         # (a second graph, for no-grad mode, would cost another compilation).
-        self.compiled = bool(getattr(cfg, "compile", False))
+        self.compiled = hasattr(cfg, "compile") and cfg.compile
         self.train_loss_fn = torch.compile(loss_fn) if self.compiled else loss_fn
         self.state = TrainState()
         accelerator.register_for_checkpointing(self.scheduler, self.state)
