@@ -24,6 +24,7 @@ GELU MLP's two) and text bytes a second (a BPE token carries a few characters).
         [--presets tiny,cpu-small,cpu] [--steps 30]   (--presets "" skips throughput)
     python benchmarks/bench_pretrain.py --presets "" --with-peer [--repeat 2]   # the paired nanoGPT run only
     python benchmarks/bench_pretrain.py --presets "" --with-peer --short-steps 500,1000   # and time to a quality
+    python benchmarks/bench_pretrain.py --presets "" --with-peer --compile   # both sides torch.compile their step
 
 Prints one JSON document and writes it to OUT/bench_pretrain.json.
 """
@@ -68,7 +69,7 @@ def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: in
     }
 
 
-def quality(out: Path, steps: int) -> dict:
+def quality(out: Path, steps: int, compile: bool = False) -> dict:
     run = out / f"shakespeare-{steps}"
     shutil.rmtree(run, ignore_errors=True)  # a finished run folder would be reused, not timed
     t0 = time.perf_counter()
@@ -79,7 +80,7 @@ def quality(out: Path, steps: int) -> dict:
                       # (its eval_interval is the run's length; 20 batches of each split, 40 forward
                       # passes, here 40 held-out batches) and one checkpoint.
                       "betas=[0.9, 0.99]", f"eval_every={steps}", "eval_batches=40",
-                      f"checkpoint_every={steps}"])
+                      f"checkpoint_every={steps}", f"compile={str(compile).lower()}"])
     m = json.loads((run / "metrics.json").read_text())
     train = json.loads((run / "data" / "index.json").read_text())["train"]
     return {"steps": m["steps"], "tokens_per_step": 12 * 64, "val_loss_nats_per_token": m["val_loss"],
@@ -87,14 +88,15 @@ def quality(out: Path, steps: int) -> dict:
             "bytes_per_second": m["tokens_per_second"] * train["bytes"] / train["tokens"],
             "val_bpb": m["val_bpb"], "nanogpt_char_reference_bpb": NANOGPT_REF_BPB,
             "train_wall_seconds": m["wall_seconds"], "wall_seconds_incl_launch": time.perf_counter() - t0,
-            "params_m": m["params"] / 1e6, "tokens_per_second": m["tokens_per_second"]}
+            "params_m": m["params"] / 1e6, "tokens_per_second": m["tokens_per_second"], "compile": compile,
+            "first_step_seconds": m["first_step_seconds"]}
 
 
-NANOGPT_ARGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+NANOGPT_ARGS = ["--device=cpu", "--eval_iters=20", "--log_interval=1", "--block_size=64",
                 "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
 
 
-def nanogpt(out: Path, steps: int, with_peer: bool) -> dict:
+def nanogpt(out: Path, steps: int, with_peer: bool, compile: bool = False) -> dict:
     """nanoGPT's char-level CPU recipe on Tiny Shakespeare, in its own venv; tokens/s from
     the median of its per-iteration times, bits per byte from its final validation loss
     (one character is one byte in this ASCII text)."""
@@ -111,7 +113,7 @@ def nanogpt(out: Path, steps: int, with_peer: bool) -> dict:
     shutil.copy(SHAKESPEARE, work / "data" / "shakespeare_char" / "input.txt")  # present: prepare.py downloads nothing
     t0 = time.perf_counter()
     subprocess.run([str(python), "data/shakespeare_char/prepare.py"], cwd=work, check=True, capture_output=True)
-    proc = subprocess.run([str(python), "train.py", "config/train_shakespeare_char.py", *NANOGPT_ARGS,
+    proc = subprocess.run([str(python), "train.py", "config/train_shakespeare_char.py", *NANOGPT_ARGS, f"--compile={compile}",
                            f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--eval_interval={steps}",
                            "--out_dir=out"], cwd=work, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -127,7 +129,7 @@ def nanogpt(out: Path, steps: int, with_peer: bool) -> dict:
     flops = 6 * n_params + 12 * layers * width * block
     return {"steps": steps, "tokens_per_step": 12 * 64, "tokens_per_second": 12 * 64 / dt,
             "bytes_per_token": 1.0, "bytes_per_second": 12 * 64 / dt, "flops_per_token": flops,
-            "val_bpb": val[-1] / math.log(2), "wall_seconds_incl_launch": wall}
+            "val_bpb": val[-1] / math.log(2), "wall_seconds_incl_launch": wall, "compile": compile}
 
 
 def main() -> None:
@@ -141,6 +143,8 @@ def main() -> None:
                                                              "on first use)")
     ap.add_argument("--repeat", type=int, default=1, help="with --with-peer: pairs of runs in alternating order "
                     "(nanoGPT first, then ours first, ...); each side's fastest run is compared")
+    ap.add_argument("--compile", action="store_true", help="both sides compile their training step: ours "
+                    "compile=true, nanoGPT --compile=True (torch.compile of its model)")
     ap.add_argument("--short-steps", default="", help="comma-separated step counts: after the quality run(s), ours "
                     "again with each (the same recipe, its schedule over that length), whole command and bits per "
                     "byte against the full-length run(s): the time each side takes to a quality")
@@ -178,24 +182,24 @@ def main() -> None:
         for pair in range(max(1, args.repeat)):
             order = ("nanogpt", "quality") if pair % 2 == 0 else ("quality", "nanogpt")
             for side in order:
-                row = (nanogpt(out, args.quality_steps, args.with_peer) if side == "nanogpt"
-                       else quality(out, args.quality_steps))
+                row = (nanogpt(out, args.quality_steps, args.with_peer, args.compile) if side == "nanogpt"
+                       else quality(out, args.quality_steps, args.compile))
                 runs[side].append(row)
                 print(json.dumps({side: row}), flush=True)
         for side, rows in runs.items():
             result[side] = max(rows, key=lambda r: r["tokens_per_second"])
         result["runs"] = runs
     elif not args.skip_quality and SHAKESPEARE.exists():
-        result["quality"] = quality(out, args.quality_steps)
+        result["quality"] = quality(out, args.quality_steps, args.compile)
         print(json.dumps(result["quality"]), flush=True)
     elif args.with_peer and SHAKESPEARE.exists():
-        result["nanogpt"] = nanogpt(out, args.quality_steps, args.with_peer)
+        result["nanogpt"] = nanogpt(out, args.quality_steps, args.with_peer, args.compile)
         print(json.dumps({"nanogpt": result["nanogpt"]}), flush=True)
     short = [int(n) for n in args.short_steps.split(",") if n.strip()]
     if short and SHAKESPEARE.exists() and not args.skip_quality:
         result["quality_short"] = []
         for steps in short:
-            row = quality(out, steps)
+            row = quality(out, steps, args.compile)
             result["quality_short"].append(row)
             print(json.dumps({"quality_short": row}), flush=True)
     if "nanogpt" in result and "quality" in result:

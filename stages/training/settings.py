@@ -196,7 +196,7 @@ class PretrainConfig(TrainConfig):
     compile: bool = Field(
         False,
         description="Compile the training step's forward and loss with torch.compile (inductor; the backward is "
-                    "compiled with it). Measured on 2 CPU cores at nanoGPT's Tiny Shakespeare shape: steps 16-21% "
+                    "compiled with it). Measured on 2 CPU cores at nanoGPT's Tiny Shakespeare shape: steps ~16% "
                     "shorter, for ~30 s of compilation before the first step (~3 s when torch's compile cache in "
                     "/tmp already holds this model's kernels), so it pays from a few thousand steps. Evaluation "
                     "runs uncompiled. Not with tensor or pipeline parallelism, DeepSpeed or FSDP (refused).")
