@@ -43,13 +43,14 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     import torch
 
     Path(out).mkdir(parents=True, exist_ok=True)
+    cpu = not torch.cuda.is_available()
     cmd = accelerate_command(module, argv, num_processes=num_processes, accelerate_config=accelerate_config,
-                             cpu=not torch.cuda.is_available(), node=node, cpu_share=cpu_share)
+                             cpu=cpu, node=node, cpu_share=cpu_share)
     # The stage prints its own progress; library progress bars and load reports go unseen.
     quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
     log = "train.log" if node is None or node.rank == 0 else f"train-node{node.rank}.log"
-    return run_streaming(cmd, env={**training_allocator_env(), **quiet, **(env or {})}, log_path=Path(out) / log,
-                         on_line=on_line)
+    allocator = training_allocator_env() if cpu else {}
+    return run_streaming(cmd, env={**allocator, **quiet, **(env or {})}, log_path=Path(out) / log, on_line=on_line)
 
 
 # glibc's malloc, by default, gives freed memory at the top of the heap back to the system and
@@ -57,7 +58,9 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
 # same activations and gradients every step, so each step faults those pages back in (PPO's CPU
 # loop: ~380k minor faults a run, ~150k with these). Fixed thresholds keep the pages mapped for
 # the process's life: resident memory stays near its peak instead of falling between steps.
-# Other C libraries ignore the variables; a value set in the environment wins.
+# Set where training runs on the CPU (where it was measured; on a GPU machine the host's memory
+# holds offloaded state whose freed pages should go back). Other C libraries ignore the
+# variables; a value set in the environment wins.
 TRAINING_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
 
 
