@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -170,6 +171,7 @@ def assert_follows_reference(out: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile builds CPU kernels with g++")
 def test_compiled_step_matches_eager_and_rolls_back(shared, reference):
     """``compile=true``: the same losses as the eager reference, the same saved model format,
     and a rollback (weights reloaded under the compiled step) that goes on training."""
@@ -199,11 +201,18 @@ def test_compiled_step_matches_eager_and_rolls_back(shared, reference):
     assert log[30]["loss"] < log[1]["loss"] and all(math.isfinite(r["loss"]) for r in log.values())
 
 
-def test_compile_is_refused_where_it_is_not_supported():
+def test_compile_is_refused_where_it_is_not_supported(shared, monkeypatch):
     with pytest.raises(ValidationError, match="compile=true is not supported with tp_size=2"):
         PretrainConfig(compile=True, tp_size=2)
     with pytest.raises(ValidationError, match="compile=true is not supported with pp_size=2"):
         PretrainConfig(compile=True, pp_size=2)
+    # A CPU machine without the C++ compiler the kernels are built with: refused before training.
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(StageFailed) as err:
+        train(shared, "no-compiler", "compile=true", max_steps=2)
+    assert "compile=true on the CPU builds C++ kernels with no-such-compiler, which this machine lacks" \
+        in err.value.message
+    assert not (shared["root"] / "no-compiler" / "model").exists()
 
 def test_injected_nan_rolls_back_and_finishes(shared):
     out = train(shared, "nan", "checkpoint_every=10", "eval_every=0", "inject_nan_at_batches=[15]",

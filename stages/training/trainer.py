@@ -608,6 +608,10 @@ def make_accelerator(cfg: LoopConfig):
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
             raise ValueError(f"compile=true runs over the plain or DDP accelerate configs, not "
                              f"{acc.distributed_type.value}; drop accelerate_config or set compile=false")
+        compiler = os.environ.get("CXX") or "g++"  # what torch's inductor builds CPU kernels with
+        if acc.device.type == "cpu" and shutil.which(compiler) is None:
+            raise ValueError(f"compile=true on the CPU builds C++ kernels with {compiler}, which this machine "
+                             f"lacks; install it or set compile=false")
     if tp_size > 1:
         from crawl2chat.stages.training.parallel import check_tp_size, tp_mesh
 
