@@ -595,19 +595,18 @@ def make_accelerator(cfg: LoopConfig):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, acc.num_processes)))
     tp_size = cfg.tp_size if isinstance(cfg, TrainConfig) else 1  # PPO refuses tp_size
     pp_size = cfg.pp_size if hasattr(cfg, "pp_size") else 1  # pretraining's setting
-    if tp_size > 1 or pp_size > 1:
-        from accelerate.utils import DistributedType
-
-        name, size = ("tp_size", tp_size) if tp_size > 1 else ("pp_size", pp_size)
-        if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-            raise ValueError(f"{name}={size} runs over the plain or DDP accelerate configs, not "
-                             f"{acc.distributed_type.value}; drop accelerate_config or set {name}=1")
-    if hasattr(cfg, "compile") and cfg.compile:  # pretraining's setting
+    compiling = hasattr(cfg, "compile") and cfg.compile  # pretraining's setting
+    # Settings that run over the plain or DDP accelerate configs only: (as set, how to turn it off).
+    plain_only = [(f"{n}={v}", f"{n}=1") for n, v in (("tp_size", tp_size), ("pp_size", pp_size)) if v > 1]
+    plain_only += [("compile=true", "compile=false")] if compiling else []
+    if plain_only:
         from accelerate.utils import DistributedType
 
         if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-            raise ValueError(f"compile=true runs over the plain or DDP accelerate configs, not "
-                             f"{acc.distributed_type.value}; drop accelerate_config or set compile=false")
+            setting, off = plain_only[0]
+            raise ValueError(f"{setting} runs over the plain or DDP accelerate configs, not "
+                             f"{acc.distributed_type.value}; drop accelerate_config or set {off}")
+    if compiling:
         compiler = os.environ.get("CXX") or "g++"  # what torch's inductor builds CPU kernels with
         if acc.device.type == "cpu" and shutil.which(compiler) is None:
             raise ValueError(f"compile=true on the CPU builds C++ kernels with {compiler}, which this machine "
