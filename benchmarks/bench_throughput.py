@@ -211,6 +211,41 @@ def corpus_files(corpus: Path) -> list[str]:
     return sorted(str(p) for p in corpus.iterdir() if p.is_file())
 
 
+_COPY_SUFFIX = re.compile(r"-c\d{2}(?=\.)")
+
+
+def input_name(path: str) -> str:
+    """The input file a corpus copy was made from (``warcfile-c03.warc.gz`` -> ``warcfile.warc.gz``)."""
+    return _COPY_SUFFIX.sub("", Path(path).name, count=1)
+
+
+def per_input_counts(extract_dir: str) -> dict[str, dict]:
+    """crawl2chat's extract step, per input file (its copies summed): WARC records read, documents
+    kept, and the records dropped by reason."""
+    import pyarrow.parquet as pq
+
+    from crawl2chat.stages.data.pipeline import FILE_STATUS
+
+    files = sorted(glob.glob(os.path.join(extract_dir, "*.parquet")))
+    out: dict[str, dict] = {}
+    if not files:
+        return out
+    rows = pq.read_table(files, columns=["url", "source", "record_type", "drop_reason", "records_read"]).to_pylist()
+    for r in rows:
+        if r["record_type"] == FILE_STATUS:
+            c = out.setdefault(input_name(r["url"]), {"records": 0, "kept": 0, "dropped": {}})
+            c["records"] += r["records_read"] or 0
+    for r in rows:
+        if r["record_type"] == FILE_STATUS:
+            continue
+        c = out.setdefault(input_name(r["source"]), {"records": 0, "kept": 0, "dropped": {}})
+        if r["drop_reason"]:
+            c["dropped"][r["drop_reason"]] = c["dropped"].get(r["drop_reason"], 0) + 1
+        else:
+            c["kept"] += 1
+    return out
+
+
 # --------------------------------------------------------------------------- RSS sampling
 
 
@@ -352,7 +387,8 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
         steps[-1]["docs"] = prev_kept  # documents in
         steps[-1]["bytes"] = up.bytes_in  # text bytes of those documents
     out = {"steps": steps, "engine": args.engine, "startup": {"imports": t_ray - t_import, "ray_init": t_ready - t_ray},
-           "final_kept": up.kept, "dedup_config": cfg.data.dedup.model_dump()}
+           "final_kept": up.kept, "dedup_config": cfg.data.dedup.model_dump(),
+           "per_input": per_input_counts(ex.out_dir)}
     Path(args.result).write_text(json.dumps(out, default=str))
     import ray
 
@@ -371,6 +407,20 @@ def _parquet_stats(folder: str) -> tuple[int, int]:
         return 0, 0
     t = pq.read_table(files, columns=["text"])
     return t.num_rows, int(pc.sum(pc.binary_length(t["text"].cast("large_binary"))).as_py() or 0)
+
+
+def _datatrove_per_input(extract_dir: str) -> dict[str, dict]:
+    """Datatrove's documents out of extraction per input file (its copies summed), from the
+    ``file_path`` its reader adds to each document's metadata."""
+    import pyarrow.parquet as pq
+
+    files = sorted(glob.glob(os.path.join(extract_dir, "**", "*.parquet"), recursive=True))
+    out: dict[str, dict] = {}
+    if files:
+        for meta in pq.read_table(files, columns=["metadata"])["metadata"].to_pylist():
+            c = out.setdefault(input_name((meta or {}).get("file_path") or "?"), {"kept": 0})
+            c["kept"] += 1
+    return out
 
 
 def datatrove_side(args: argparse.Namespace) -> None:
@@ -459,7 +509,7 @@ def datatrove_side(args: argparse.Namespace) -> None:
     timed("dedup", dedup)
     steps[-1].update(docs=n_in, bytes=b_in, kept=_parquet_stats(d["dedup"])[0])
     out = {"steps": steps, "startup": {"imports": t0 - args.t_start, "ray_init": 0.0},
-           "final_kept": steps[-1]["kept"]}
+           "final_kept": steps[-1]["kept"], "per_input": _datatrove_per_input(d["extract"])}
     Path(args.result).write_text(json.dumps(out, default=str))
 
 
@@ -502,6 +552,23 @@ def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int
             print(f"  {name:<9} time x{rt:.2f}   docs/s x{ra:.2f}   peak RSS x{rm:.2f}")
         print(f"  {'TOTAL':<9} time x{c2c['wall_total'] / dt['wall_total']:.2f}   "
               f"peak RSS x{c2c['peak_rss'] / max(dt['peak_rss'], 1):.2f}")
+        print_per_input(c2c.get("per_input") or {}, dt.get("per_input") or {})
+
+
+def print_per_input(c2c: dict[str, dict], dt: dict[str, dict]) -> None:
+    """Documents out of extraction per input file on both sides, with what crawl2chat read and
+    dropped: the two WARC readers keep different records, and a file one side reads nothing
+    from is work only the other side does."""
+    print("extraction per input file (copies summed): records read and documents kept by crawl2chat "
+          "(dropped, by reason), documents kept by datatrove")
+    for name in sorted(set(c2c) | set(dt)):
+        a, b = c2c.get(name, {}), dt.get(name, {})
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(a.get("dropped", {}).items()))
+        line = (f"  {name:<32} crawl2chat {a.get('records', 0):>6} read {a.get('kept', 0):>6} kept"
+                f"{f' ({drops})' if drops else ''};  datatrove {b.get('kept', 0):>6} kept")
+        if a.get("records", 0) and not b.get("kept", 0):
+            line += "  <- datatrove's reader yields nothing from this file"
+        print(line)
 
 
 def print_growth(results: dict[int, dict]) -> None:

@@ -1,0 +1,50 @@
+"""The data benchmark's per-input-file accounting: crawl2chat's extract step over corpus copies,
+summed back to the input file each copy was made from."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_throughput.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_throughput_under_test", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_copy_names_map_back_to_their_input(bench):
+    assert bench.input_name("/x/clueweb-quirk-c03.warc.gz") == "clueweb-quirk.warc.gz"
+    assert bench.input_name("sample-0001-c00.warc.gz") == "sample-0001.warc.gz"
+    assert bench.input_name("plain.warc.gz") == "plain.warc.gz"
+
+
+def test_per_input_counts_sum_the_copies_of_each_file(bench, shared_data, tmp_path):
+    from crawl2chat.stages.data import pipeline as steps
+    from crawl2chat.stages.data.engine import LOCAL
+    from crawl2chat.stages.settings import load_config
+
+    inputs = [str(shared_data / "warc/resiliparse/clueweb-quirk.warc.gz"),
+              str(shared_data / "warc/resiliparse/warcfile.warc.gz")]
+    corpus = bench.build_corpus(inputs, 2, tmp_path, distinct_bodies=True)
+    cfg = load_config().data
+    one = steps.extract_step(inputs[1:], str(tmp_path / "one"), cfg.extract, engine_name=LOCAL)
+    both = steps.extract_step(bench.corpus_files(corpus), str(tmp_path / "both"), cfg.extract, engine_name=LOCAL)
+
+    single = bench.per_input_counts(one.out_dir)["warcfile.warc.gz"]
+    counts = bench.per_input_counts(both.out_dir)
+    assert set(counts) == {"clueweb-quirk.warc.gz", "warcfile.warc.gz"}
+    assert counts["warcfile.warc.gz"]["records"] == 2 * single["records"] > 0
+    assert counts["warcfile.warc.gz"]["kept"] == 2 * single["kept"] > 0
+    for c in counts.values():  # every record read is kept or dropped with its reason
+        assert c["kept"] + sum(c["dropped"].values()) == c["records"]
+    assert sum(c["kept"] for c in counts.values()) == both.kept
