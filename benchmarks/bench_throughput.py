@@ -9,6 +9,12 @@ on the same WARC files in both frameworks:
 and prints, per step, wall time, documents/s, MB/s and peak RSS of the whole process
 tree (the driver plus every Ray / multiprocessing worker, RSS summed every 0.2 s),
 then the crawl2chat / datatrove ratios and how time and memory grow with scale.
+After the per-step run, the whole ``crawl2chat data`` command runs over the same files
+with the same step settings, in a fresh project folder, as a user runs it: start-up,
+Prefect's flow and task runs, MLflow's records, the steps, balancing, the dataset
+version and its review sample; its wall time is set against datatrove's whole run
+(``--steps-only`` skips it). Last, per input file, the documents each side got out of
+extraction (the two WARC readers keep different records).
 
     /work/main/.venv/bin/python benchmarks/bench_throughput.py                # 1x, 4x, 16x
     /work/main/.venv/bin/python benchmarks/bench_throughput.py --scales 1,4   # quicker
@@ -325,11 +331,10 @@ def _set_first(model_cls, tree: dict, candidates: dict[str, list[str]]) -> None:
                 break
 
 
-def crawl2chat_side(args: argparse.Namespace) -> None:
-    t_import = time.time()
-    from crawl2chat.stages.settings import load_config
-    from crawl2chat.infra.ray_runtime import ensure_ray
-    from crawl2chat.stages.data import pipeline as dp
+def step_overrides(extractor: str) -> dict:
+    """crawl2chat's settings for the steps datatrove runs: its extractor, language ID at
+    datatrove's threshold over every language, Gopher quality alone, MinHash at datatrove's
+    bands, rows and n-grams."""
     from crawl2chat.stages.data.settings import DedupConfig
 
     dedup_over: dict = {}
@@ -338,9 +343,9 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
         "rows": ["rows_per_band", "band_rows", "rows", "minhash_rows"],
         "ngram": ["ngram_size", "ngram", "n_grams", "shingle_size", "word_ngrams"],
     })
-    overrides = {
+    return {
         "data": {
-            "extract": {"extractor": args.extractor},
+            "extract": {"extractor": extractor},
             "langid": {"min_score": LANGID_MIN_SCORE, "languages": None},
             "quality": {
                 "gopher_repetition": {"enabled": False},
@@ -352,6 +357,50 @@ def crawl2chat_side(args: argparse.Namespace) -> None:
             "dedup": {"method": "minhash", **dedup_over},
         }
     }
+
+
+def set_flags(tree: dict, prefix: str = "") -> list[str]:
+    """Nested settings -> the command line's ``--set KEY.PATH=VALUE`` flags (values as YAML)."""
+    flags = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flags += set_flags(value, f"{prefix}{key}.")
+        else:
+            flags += ["--set", f"{prefix}{key}={json.dumps(value)}"]
+    return flags
+
+
+def whole_command(files: list[str], folder: Path, extractor: str, engine: str, log_path: Path,
+                  env: dict) -> dict:
+    """The whole ``crawl2chat data`` command over ``files``, as a user runs it, in a fresh project
+    folder, with the steps set as on the per-step side: start-up, the Prefect flow run and its
+    tasks, MLflow's run records, the steps, balancing, the dataset version, the review sample.
+    Wall time and the peak RSS of its process tree."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    cmd = [str(Path(sys.executable).with_name("crawl2chat")), "data", "--out", str(folder / "data"),
+           *[f"--input={f}" for f in files], *set_flags(step_overrides(extractor)),
+           "--set", f"data.engine={engine}"]
+    with open(log_path, "w") as log:
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(folder),
+                                start_new_session=True)
+        with TreeSampler(proc.pid) as sampler:
+            rc = proc.wait()
+        wall = time.time() - t0
+    if rc != 0:
+        raise RuntimeError(f"crawl2chat data exited {rc}; log {log_path}:\n{log_path.read_text(errors='replace')[-3000:]}")
+    manifest = json.loads((folder / "data" / "manifest.json").read_text())
+    return {"wall_total": wall, "peak_rss": sampler.peak(), "final_kept": manifest["documents_kept"]}
+
+
+def crawl2chat_side(args: argparse.Namespace) -> None:
+    t_import = time.time()
+    from crawl2chat.stages.settings import load_config
+    from crawl2chat.infra.ray_runtime import ensure_ray
+    from crawl2chat.stages.data import pipeline as dp
+
+    overrides = step_overrides(args.extractor)
     cfg = load_config(overrides=overrides)
     files = corpus_files(Path(args.corpus))
     work = Path(args.work)
@@ -520,7 +569,8 @@ def _mb(b: float) -> float:
     return b / 1e6
 
 
-def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int, n_files: int) -> None:
+def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int, n_files: int,
+                command: dict | None = None) -> None:
     print(f"\n=== scale {scale}x: {n_files} WARC files, {_mb(corpus_bytes):.1f} MB gzipped ===")
     hdr = f"{'step':<9}{'side':<11}{'docs':>7}{'kept':>7}{'wall s':>9}{'docs/s':>9}{'MB/s':>8}{'peak RSS MB':>13}"
     print(hdr)
@@ -553,6 +603,12 @@ def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int
         print(f"  {'TOTAL':<9} time x{c2c['wall_total'] / dt['wall_total']:.2f}   "
               f"peak RSS x{c2c['peak_rss'] / max(dt['peak_rss'], 1):.2f}")
         print_per_input(c2c.get("per_input") or {}, dt.get("per_input") or {})
+    if command:
+        print(f"whole command: crawl2chat data {command['wall_total']:.2f} s, {command['final_kept']} documents kept, "
+              f"peak RSS {_mb(command['peak_rss']):.0f} MB (start-up, Prefect flow and task runs, MLflow records, "
+              "the steps above, balancing, the dataset version and its review)"
+              + (f"; datatrove's whole run {dt['wall_total']:.2f} s: x{command['wall_total'] / dt['wall_total']:.2f}"
+                 if dt else ""))
 
 
 def print_per_input(c2c: dict[str, dict], dt: dict[str, dict]) -> None:
@@ -622,6 +678,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--json", default=None, help="also write all figures to this JSON file")
     ap.add_argument("--retries", type=int, default=1, help="rerun a side that fails this many times")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="skip timing the whole `crawl2chat data` command (start-up, Prefect, MLflow, versions)")
     # internal: one side's run
     ap.add_argument("--_side", choices=["crawl2chat", "datatrove"], help=argparse.SUPPRESS)
     ap.add_argument("--_corpus", dest="corpus", help=argparse.SUPPRESS)
@@ -691,8 +749,16 @@ def main() -> None:
                         print(f"  [{scale}x] {side} FAILED (attempt {attempt + 1}): {last}", flush=True)
                 if side in results[scale]:
                     print(f"  [{scale}x] {side}: {results[scale][side]['wall_total']:.1f}s", flush=True)
+            if "crawl2chat" in sides and not args.steps_only:
+                try:
+                    results[scale]["command"] = whole_command(files, root / f"command-{scale}x", args.extractor,
+                                                              args.engine, root / f"command-{scale}x.log", env)
+                    print(f"  [{scale}x] crawl2chat data (the whole command): "
+                          f"{results[scale]['command']['wall_total']:.1f}s", flush=True)
+                except RuntimeError as e:
+                    print(f"  [{scale}x] crawl2chat data FAILED: {str(e).strip().splitlines()[0]}", flush=True)
             print_scale(scale, results[scale].get("crawl2chat"), results[scale].get("datatrove"),
-                        corpus_bytes, len(files))
+                        corpus_bytes, len(files), results[scale].get("command"))
             sys.stdout.flush()
         print_growth(results)
         if args.json:

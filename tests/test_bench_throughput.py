@@ -48,3 +48,18 @@ def test_per_input_counts_sum_the_copies_of_each_file(bench, shared_data, tmp_pa
     for c in counts.values():  # every record read is kept or dropped with its reason
         assert c["kept"] + sum(c["dropped"].values()) == c["records"]
     assert sum(c["kept"] for c in counts.values()) == both.kept
+
+
+@pytest.mark.parametrize("extractor", ["trafilatura", "resiliparse"])
+def test_the_whole_command_gets_the_per_step_settings(bench, extractor):
+    """The ``--set`` flags the whole ``crawl2chat data`` command is run with, read back as the
+    command reads them, give the settings the per-step side builds its steps from."""
+    from crawl2chat.stages.settings import load_config, parse_overrides
+
+    flags = bench.set_flags(bench.step_overrides(extractor))
+    assert flags[::2] == ["--set"] * (len(flags) // 2)
+    from_flags = load_config(overrides=parse_overrides(flags[1::2])).data
+    direct = load_config(overrides=bench.step_overrides(extractor)).data
+    assert from_flags == direct
+    assert from_flags.extract.extractor == extractor and from_flags.langid.languages is None
+    assert not from_flags.quality.c4.enabled and from_flags.quality.gopher_quality.enabled
