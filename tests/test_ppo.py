@@ -255,7 +255,7 @@ def test_side_by_side_update_gives_the_joint_gradients(models, tmp_path):
     """On a CPU the actor's and the critic's halves of a PPO step run on two threads;
     the gradients must be the joint loss's, and the step's statistics the same."""
     from crawl2chat.stages.training.chat_data import encode_prompt, load_prompts
-    from crawl2chat.stages.training.ppo import SideBySide
+    from crawl2chat.stages.training.ppo import HeadWeightGrad, SideBySide
     from crawl2chat.stages.training.trainer import make_accelerator
     from transformers import AutoTokenizer
 
@@ -270,6 +270,8 @@ def test_side_by_side_update_gives_the_joint_gradients(models, tmp_path):
 
         assert runner.side_by_side is None
         runner.side_by_side = SideBySide(ThreadPoolExecutor(1), 1)
+    # The actor's head weight gradient is computed on the critic's thread (HeadWeightGrad).
+    assert HeadWeightGrad.applies_to(runner.acc.unwrap_model(runner.model).actor)
     ro = runner.rollout(1)
     ro["adv"] = ro["adv"] + 0.3  # a rollout's own advantages can be near zero for a fresh policy
     idx = torch.tensor([0, 3])
@@ -293,6 +295,47 @@ def test_side_by_side_update_gives_the_joint_gradients(models, tmp_path):
     for k in joint:
         assert joint[k].item() == pytest.approx(split[k].item(), rel=1e-5, abs=1e-7), k
     assert any(g.abs().sum() > 0 for n, g in g_split.items() if n.startswith("critic."))
+
+
+def test_head_weight_gradient_left_to_another_thread_is_autograds(models):
+    """The actor's output-head weight gradient, computed outside the actor's backward (on
+    the critic's thread side by side), is the same bits as autograd's, tied to the
+    embedding or not; the logits and every other gradient are untouched."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    from crawl2chat.stages.training.ppo import ActorCritic, HeadWeightGrad
+
+    seq = torch.randint(3, 60, (3, 14), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(seq)
+    attn[0, :4] = 0  # a left-padded row
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    P = 9
+    for tie in (True, False):
+        actor = AutoModelForCausalLM.from_pretrained(models["base"], tie_word_embeddings=tie)
+        if not tie:
+            actor.lm_head.weight.data += 0.01 * torch.randn_like(actor.lm_head.weight)
+        assert HeadWeightGrad.applies_to(actor)
+        ac = ActorCritic(actor, None)
+        weights = torch.rand(seq.shape[0], seq.shape[1] - P, actor.config.vocab_size,
+                             generator=torch.Generator().manual_seed(1))
+
+        def grads(head):
+            actor.zero_grad(set_to_none=True)
+            logits = ac.logits(seq, attn, pos, answer_from=P, head_grad=head)
+            (logits * weights).sum().backward()
+            if head is not None:
+                with ThreadPoolExecutor(1) as other:  # as side by side: computed on another thread
+                    head.add_to(actor.lm_head.weight, other.submit(head.compute_if_ready).result())
+            return logits.detach(), {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+
+        plain_logits, plain = grads(None)
+        split_logits, split = grads(HeadWeightGrad())
+        assert torch.equal(plain_logits, split_logits)
+        assert set(plain) == set(split) and ("lm_head.weight" in plain) != tie
+        for n in plain:
+            assert torch.equal(plain[n], split[n]), n
 
 
 @pytest.mark.slow

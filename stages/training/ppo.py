@@ -61,6 +61,7 @@ batch moves less: ``reward_mean_first_quarter``, ``reward_mean_last_quarter``;
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -215,11 +216,18 @@ class ActorCritic(torch.nn.Module):
         return (self.logits(input_ids, attention_mask, position_ids, answer_from),
                 self.values(input_ids, attention_mask, position_ids))
 
-    def logits(self, input_ids, attention_mask, position_ids, answer_from: int | None = None):
-        """The actor's logits (see :meth:`forward`)."""
+    def logits(self, input_ids, attention_mask, position_ids, answer_from: int | None = None,
+               head_grad: "HeadWeightGrad | None" = None):
+        """The actor's logits (see :meth:`forward`); with ``head_grad``, the output head's
+        weight gradient is left to it (:class:`HeadWeightGrad`)."""
         keep = 0 if answer_from is None else answer_positions(input_ids.shape[1], answer_from, input_ids.device)
-        return self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, logits_to_keep=keep).logits
+        if head_grad is None:
+            return self.actor(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False, logits_to_keep=keep).logits
+        hidden = self.actor.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state
+        return _LogitsLeavingWeightGrad.apply(hidden if answer_from is None else hidden[:, keep],
+                                              self.actor.lm_head.weight, head_grad)
 
 
 def answer_positions(seq_len: int, prompt_len: int, device=None) -> torch.Tensor:
@@ -227,6 +235,69 @@ def answer_positions(seq_len: int, prompt_len: int, device=None) -> torch.Tensor
     ``logits_to_keep``: exactly those, so no slice of the vocabulary-wide logits is taken
     (its backward would write a zero-filled copy of them)."""
     return torch.arange(prompt_len - 1, seq_len - 1, device=device)
+
+
+class HeadWeightGrad:
+    """The actor's output-head weight gradient, computed on the critic's thread.
+
+    Side by side (:class:`SideBySide`), the actor's half of an update step is the longer:
+    beside the same decoder as the critic it has the vocabulary projection, whose weight
+    gradient (answer positions x vocabulary x width) is one of its largest matmuls. The
+    actor's backward hands that product's two factors here and goes on; the critic's
+    thread computes it once its own half is done (:meth:`compute_if_ready`), and the
+    step adds it to the weight's gradient after both halves (:meth:`add_to`). Only for a
+    Llama causal LM, whose logits are exactly ``lm_head(hidden)``. With one micro-batch a
+    step the gradients are the same bits as autograd's (tested; with several, the same sums
+    in another order). Measured at the 1.6M-parameter bench shape, the two halves on one
+    core each (medians of 150 steps, alternated): the actor's half ended 7 ms sooner (38
+    against 46 ms) and the critic's thread 6 ms later, the whole update step 3-5% shorter;
+    ``bench_ppo.py``, four alternated pairs: 15.55 against 15.17 episodes/s on average."""
+
+    def __init__(self):
+        self._factors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ready = threading.Event()
+
+    @staticmethod
+    def applies_to(actor) -> bool:
+        return getattr(actor.config, "model_type", None) == "llama" and actor.lm_head.bias is None
+
+    def put(self, grad_logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._factors.append((grad_logits.reshape(-1, grad_logits.shape[-1]), hidden.reshape(-1, hidden.shape[-1])))
+        self._ready.set()
+
+    def compute(self) -> torch.Tensor | None:
+        grad = None
+        for g, h in self._factors:
+            grad = g.T @ h if grad is None else grad.addmm_(g.T, h)
+        return grad
+
+    def compute_if_ready(self) -> torch.Tensor | None:
+        """The gradient, if the actor's backward has reached the head (else None: :meth:`add_to`
+        computes it)."""
+        return self.compute() if self._ready.is_set() else None
+
+    def add_to(self, weight: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Add the gradient (``grad``, or computed now) to ``weight.grad``."""
+        grad = self.compute() if grad is None else grad
+        if grad is not None:
+            weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+
+
+class _LogitsLeavingWeightGrad(torch.autograd.Function):
+    """``hidden @ weight.T`` whose backward returns the gradient of ``hidden`` only and hands
+    the factors of the weight's gradient to a :class:`HeadWeightGrad`."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, later: HeadWeightGrad):
+        ctx.save_for_backward(hidden, weight)
+        ctx.later = later
+        return F.linear(hidden, weight)
+
+    @staticmethod
+    def backward(ctx, grad_logits: torch.Tensor):
+        hidden, weight = ctx.saved_tensors
+        ctx.later.put(grad_logits, hidden)
+        return grad_logits @ weight, None, None
 
 
 class _TokenLogprobEntropy(torch.autograd.Function):
@@ -466,18 +537,21 @@ class PPORunner:
             self.acc.backward((actor["loss"] + critic["loss"]) * scale)
         else:
             ac = self.acc.unwrap_model(self.model)
+            head = HeadWeightGrad() if HeadWeightGrad.applies_to(ac.actor) else None
 
             def actor_step():
-                out = actor_half(ac.logits(seq, attn, pos, answer_from=P))
+                out = actor_half(ac.logits(seq, attn, pos, answer_from=P, head_grad=head))
                 (out["loss"] * scale).backward()
                 return out
 
             def critic_step():
                 out = critic_half(ac.values(seq, attn, pos))
                 (out["loss"] * scale).backward()
-                return out
+                return out, head.compute_if_ready() if head is not None else None
 
-            actor, critic = self.side_by_side.run(actor_step, critic_step)
+            actor, (critic, head_weight_grad) = self.side_by_side.run(actor_step, critic_step)
+            if head is not None:
+                head.add_to(ac.actor.lm_head.weight, head_weight_grad)
         return {**actor, **critic, "loss": actor["loss"] + critic["loss"]}
 
     def optimise(self, ro: dict[str, Any], step: int) -> dict[str, float]:
