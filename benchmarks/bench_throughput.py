@@ -298,15 +298,21 @@ class TreeSampler:
         return max(vals, default=0)
 
 
-def run_side(cmd: list[str], result_path: Path, log_path: Path, env: dict | None = None) -> dict:
-    """Run one side as a subprocess, sampling its process tree; returns its JSON result."""
+def run_sampled(cmd: list[str], log_path: Path, env: dict | None, cwd: Path) -> tuple[int, float, TreeSampler]:
+    """Run ``cmd`` in its own session, output to ``log_path``, sampling its process tree's RSS;
+    returns its exit status, wall time and the sampler."""
     with open(log_path, "w") as log:
         t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(cwd),
                                 start_new_session=True)
         with TreeSampler(proc.pid) as sampler:
             rc = proc.wait()
-        wall = time.time() - t0
+        return rc, time.time() - t0, sampler
+
+
+def run_side(cmd: list[str], result_path: Path, log_path: Path, env: dict | None = None) -> dict:
+    """Run one side as a subprocess, sampling its process tree; returns its JSON result."""
+    rc, wall, sampler = run_sampled(cmd, log_path, env, REPO)
     if rc != 0 or not result_path.exists():
         tail = log_path.read_text(errors="replace")[-3000:]
         raise RuntimeError(f"{cmd[0]} {' '.join(cmd[2:6])} ... exited {rc}; log {log_path}:\n{tail}")
@@ -381,13 +387,7 @@ def whole_command(files: list[str], folder: Path, extractor: str, engine: str, l
     cmd = [str(Path(sys.executable).with_name("crawl2chat")), "data", "--out", str(folder / "data"),
            *[f"--input={f}" for f in files], *set_flags(step_overrides(extractor)),
            "--set", f"data.engine={engine}"]
-    with open(log_path, "w") as log:
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(folder),
-                                start_new_session=True)
-        with TreeSampler(proc.pid) as sampler:
-            rc = proc.wait()
-        wall = time.time() - t0
+    rc, wall, sampler = run_sampled(cmd, log_path, env, folder)
     if rc != 0:
         raise RuntimeError(f"crawl2chat data exited {rc}; log {log_path}:\n{log_path.read_text(errors='replace')[-3000:]}")
     manifest = json.loads((folder / "data" / "manifest.json").read_text())
