@@ -49,25 +49,23 @@ def _save_figure(fig, name: str) -> None:
 
 
 def load_plotting():
-    """matplotlib's pyplot on the file-only backend (imported on first use: ~0.5 s)."""
-    import matplotlib
+    """matplotlib's ``Figure`` (imported on first use: ~0.45 s). Figures are made and saved
+    through it, not pyplot: no global figure registry to close them from (safe from several
+    threads) and pyplot's own import (~0.1 s of a command) is not paid."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # files only: no display on servers and workers
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure
 
 
 def plot_bars(counts: dict[str, int | float], title: str, name: str) -> None:
     if not counts:
         return
-    plt = load_plotting()
     items = sorted(counts.items(), key=lambda kv: kv[1])
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(items) + 1.2))
+    fig = load_plotting()(figsize=(7, 0.35 * len(items) + 1.2))
+    ax = fig.subplots()
     ax.barh([k for k, _ in items], [v for _, v in items], color="#4c72b0")
     ax.set_title(title)
     _save_figure(fig, name)
-    plt.close(fig)
 
 
 def plot_curves(rows: Iterable[dict], keys: Iterable[str], title: str, name: str) -> None:
@@ -80,8 +78,8 @@ def plot_curves(rows: Iterable[dict], keys: Iterable[str], title: str, name: str
                 series.setdefault(key, {})[int(row["step"])] = float(value)
     if not series:
         return
-    plt = load_plotting()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = load_plotting()(figsize=(7, 4))
+    ax = fig.subplots()
     for key, points in series.items():
         steps = sorted(points)
         ax.plot(steps, [points[s] for s in steps], label=key)
@@ -89,4 +87,3 @@ def plot_curves(rows: Iterable[dict], keys: Iterable[str], title: str, name: str
     ax.set_title(title)
     ax.legend()
     _save_figure(fig, name)
-    plt.close(fig)
