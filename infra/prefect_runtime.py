@@ -11,12 +11,11 @@ as soon as the settings are read, so it comes up while the command imports Ray,
 torch and its stages, and :func:`wait_for_embedded_api` waits for it just before
 the first flow runs.
 
-A new project folder's database needs Prefect's migrations (about 9 s). The first
-freshly migrated database on a machine is copied (SQLite's backup API, a
-consistent snapshot) into a per-Prefect-version template in the user's cache, and
-later new project folders start from a copy of it; Prefect still checks and
-applies migrations on start, so a template from an older layout is brought up to
-date rather than trusted.
+A new project folder's database needs Prefect's migrations (about 9 s); it starts
+instead from a copy of the first freshly migrated one on the machine
+(:mod:`crawl2chat.infra.sqlite_templates`). Prefect still checks and applies
+migrations on start, so a template from an older layout is brought up to date
+rather than trusted.
 
 With ``PREFECT_API_URL`` set, flows report to that server (and its UI) instead,
 and nothing is started.
@@ -26,13 +25,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from crawl2chat.infra.sqlite_templates import copy_template, save_template, template_path
 from crawl2chat.stages.telemetry import disable_telemetry
 
 API_LOG = "logs/prefect-api.log"  # under the project folder
@@ -86,8 +85,7 @@ def _prefect_version() -> str:
 
 
 def _template_path() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "crawl2chat" / f"prefect-{_prefect_version()}-{sys.version_info[0]}.{sys.version_info[1]}.db"
+    return template_path(f"prefect-{_prefect_version()}")
 
 
 def _free_port() -> int:
@@ -114,7 +112,7 @@ def start_embedded_api(home: str) -> None:
     db = _database(prefect_home)
     fresh = db is not None and not db.exists()
     if fresh:
-        _copy_template(db)
+        copy_template(_template_path(), db)
     log_path = Path(home).resolve() / API_LOG
     log_path.parent.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -168,7 +166,7 @@ def wait_for_embedded_api() -> None:
             time.sleep(0.1)
     _EmbeddedAPI.ready = True
     if _EmbeddedAPI.fresh_db:
-        _save_template(_EmbeddedAPI.db)
+        save_template(_EmbeddedAPI.db, _template_path())
 
 
 def stop_embedded_api() -> None:
@@ -178,44 +176,3 @@ def stop_embedded_api() -> None:
         from crawl2chat.stages.lifetime import stop_process
 
         stop_process(proc)
-
-
-def _copy_template(db: Path) -> None:
-    template = _template_path()
-    if not template.is_file():
-        return
-    tmp = db.with_name(f".{db.name}.tmp-{os.getpid()}")
-    try:
-        shutil.copyfile(template, tmp)
-        # A link, not a rename: a command that started in the same new folder a moment
-        # earlier may already have its database open, and it must not be replaced.
-        os.link(tmp, db)
-    except OSError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _save_template(db: Path | None) -> None:
-    """Keep a snapshot of a freshly migrated database as the template (once per machine
-    and Prefect version); a failure here costs only the next folder's migrations."""
-    import sqlite3
-
-    template = _template_path()
-    if db is None or template.exists() or not db.is_file():
-        return
-    tmp = template.with_name(f".{template.name}.tmp-{os.getpid()}")
-    try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        source, target = sqlite3.connect(db), sqlite3.connect(tmp)
-        try:
-            source.backup(target)
-            # One self-contained file: the copy would otherwise keep the server's WAL mode,
-            # and pages still in a -wal file beside it would not travel with it.
-            target.execute("PRAGMA journal_mode=DELETE")
-        finally:
-            source.close()
-            target.close()
-        os.replace(tmp, template)
-    except (OSError, sqlite3.Error):
-        tmp.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import mlflow
 
+from crawl2chat.infra.sqlite_templates import copy_template, save_template, template_path
 from crawl2chat.stages.secrets import mask_secrets
 
 
@@ -35,11 +36,36 @@ def tracking_uri(home: str | Path, configured: str | None = None) -> str:
     return f"sqlite:///{home / 'mlflow.db'}"
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a plain ``sqlite:///PATH`` store URI, else None."""
+    if not uri.startswith("sqlite:///") or "?" in uri:
+        return None
+    return Path(uri[len("sqlite:///"):])
+
+
+def _mlflow_template() -> Path:
+    return template_path(f"mlflow-{mlflow.__version__}")
+
+
+def _without_experiments(con) -> None:
+    # The default experiment's artifact folder is the creating process's ./mlruns: MLflow
+    # makes it again, for the new folder, when it opens a store without it.
+    con.execute("DELETE FROM experiment_tags")
+    con.execute("DELETE FROM experiments")
+
+
 def setup_tracking(home: str | Path, experiment: str, configured: str | None = None) -> str:
-    """Point MLflow at the store and make sure the experiment exists (artifacts under home)."""
+    """Point MLflow at the store and make sure the experiment exists (artifacts under home).
+    A new SQLite store starts from the machine's migrated template
+    (:mod:`crawl2chat.infra.sqlite_templates`) instead of MLflow's migration chain."""
     uri = tracking_uri(home, configured)
+    db = _sqlite_file(uri)
+    fresh = db is not None and not db.exists() and not copy_template(_mlflow_template(), db)
     mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(experiment) is None:
+    existing = mlflow.get_experiment_by_name(experiment)  # opens (and, when fresh, migrates) the store
+    if fresh:
+        save_template(db, _mlflow_template(), scrub=_without_experiments)
+    if existing is None:
         artifact_location = None
         if uri.startswith("sqlite:"):
             artifact_location = (Path(home).resolve() / "mlartifacts").as_uri()
