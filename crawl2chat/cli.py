@@ -106,7 +106,7 @@ def data(
     _prepare_services(cfg)
     from crawl2chat.flows.data import data_flow
 
-    manifest = _guarded(lambda: data_flow(cfg), cfg)
+    manifest = _guarded(lambda: data_flow(cfg), cfg, meanwhile=_data_step_imports(cfg))
     out_dir = Path(cfg.data.out).resolve()
     typer.echo(
         f"\n{manifest['version']}: {manifest['documents_kept']} documents ({manifest['version_documents_kept']} new), "
@@ -164,10 +164,21 @@ def _open_tracking(cfg) -> None:
         pass
 
 
-def _guarded(body, cfg=None):
+def _data_step_imports(cfg) -> list:
+    """Importing the data steps' costliest libraries, as work for the wait on the local API."""
+    import functools
+    import importlib
+
+    from crawl2chat.stages.data.pipeline import step_libraries
+
+    return [functools.partial(importlib.import_module, name) for name in step_libraries(cfg.data)]
+
+
+def _guarded(body, cfg=None, meanwhile=()):
     """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence,
     a full disk) ends in one sentence and exit status 2, the full trace being in the
-    stage's log or ``HOME/logs/flow-runs.log``."""
+    stage's log or ``HOME/logs/flow-runs.log``. ``meanwhile``: work done while the local
+    Prefect API comes up (:func:`wait_for_embedded_api`)."""
     from crawl2chat.infra.console import RUN_TRACES
     from crawl2chat.stages.data.pipeline import NothingUsableError
     from crawl2chat.stages.data.versions import DamagedDataError
@@ -179,7 +190,7 @@ def _guarded(body, cfg=None):
     if cfg is not None:
         _open_tracking(cfg)
     try:
-        wait_for_embedded_api()
+        wait_for_embedded_api(meanwhile)
     except RuntimeError as e:
         _fail(str(e))
     try:
@@ -268,7 +279,7 @@ def run(
     _prepare_services(cfg)
     from crawl2chat.flows.pipeline import pipeline_flow
 
-    result = _guarded(lambda: pipeline_flow(cfg), cfg)
+    result = _guarded(lambda: pipeline_flow(cfg), cfg, meanwhile=_data_step_imports(cfg))
     manifest, base = result["manifest"], result["pretrain"]
     data_out = Path(result["data"])
     lines = [

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 from crawl2chat.infra.sqlite_templates import copy_template, save_template, template_path
 from crawl2chat.stages.telemetry import disable_telemetry
@@ -137,13 +138,19 @@ def start_embedded_api(home: str) -> None:
     atexit.register(stop_embedded_api)
 
 
-def wait_for_embedded_api() -> None:
+def wait_for_embedded_api(meanwhile: Sequence[Callable[[], object]] = ()) -> None:
     """Block until this command's temporary server answers; a server that exits or does
     not answer within ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` raises
-    RuntimeError naming its log."""
+    RuntimeError naming its log.
+
+    ``meanwhile``: work the command does later anyway (importing its steps' libraries),
+    done one item at a time, on this thread, while the server does not answer yet; what
+    is left when it answers is left to the steps. A failing item is left to them too, to
+    report where it belongs."""
     proc = _EmbeddedAPI.process
     if proc is None or _EmbeddedAPI.ready:
         return
+    pending = list(meanwhile)
     import httpx
 
     limit = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120"))
@@ -163,7 +170,13 @@ def wait_for_embedded_api() -> None:
                 raise RuntimeError(f"The local Prefect API server did not answer within {limit:.0f} s "
                                    f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); see the log "
                                    f"{API_LOG} in the project folder.")
-            time.sleep(0.1)
+            if pending:
+                try:
+                    pending.pop(0)()
+                except Exception:  # noqa: BLE001 - see the docstring
+                    pass
+            else:
+                time.sleep(0.1)
     _EmbeddedAPI.ready = True
     if _EmbeddedAPI.fresh_db:
         save_template(_EmbeddedAPI.db, _template_path())

@@ -24,10 +24,13 @@ COMMAND = textwrap.dedent("""
     def probe() -> int:
         return 7
 
-    wait_for_embedded_api()
+    done = []
+    # Work done while the server does not answer yet; one failing item does not stop the rest.
+    wait_for_embedded_api(meanwhile=[lambda: 1 / 0, lambda: done.append(bool(__import__("trafilatura")))])
     server = __import__("crawl2chat.infra.prefect_runtime", fromlist=["_EmbeddedAPI"])._EmbeddedAPI.process.pid
     print(json.dumps({"url": url, "result": probe(), "server": server,
-                      "server_imported": "prefect.server.api.server" in sys.modules}), flush=True)
+                      "server_imported": "prefect.server.api.server" in sys.modules, "meanwhile": done}),
+          flush=True)
 """)
 
 
@@ -48,6 +51,7 @@ def test_flows_run_against_the_commands_own_server_and_new_folders_start_from_th
     first = run_command(tmp_path / "one", cache)
     assert first["result"] == 7 and first["url"].startswith("http://127.0.0.1:")
     assert not first["server_imported"]  # the command never loads Prefect's server package
+    assert first["meanwhile"] == [True]  # done while the server came up, past a failing item
     assert not psutil.pid_exists(first["server"])  # stopped with the command
     assert (tmp_path / "one" / "prefect" / "prefect.db").is_file()
     templates = list((cache / "crawl2chat").glob("prefect-*.db"))

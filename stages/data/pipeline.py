@@ -88,6 +88,16 @@ class StepResult:
         return asdict(self)
 
 
+def step_libraries(cfg: Any) -> list[str]:
+    """The modules the data steps of ``cfg`` (the data settings) import on first use that
+    cost a command most (~0.5 s here: datasketch pulls in scipy and redis), for a command
+    to import while it waits on something else."""
+    modules = ["crawl2chat.stages.data.dedup"]
+    if cfg.extract.extractor == "trafilatura":
+        modules.append("trafilatura")
+    return modules
+
+
 def fingerprint(*parts: Any) -> str:
     """Stable digest of JSON-able parts (configs, paths, upstream fingerprints)."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
