@@ -126,11 +126,19 @@ def test_local_groups_unions_and_cuts_mean_what_ray_data_means():
     assert ds.map_batches(split, batch_size=None, batch_format="numpy").count() == 5
 
 
-def test_local_write_skips_empty_blocks(tmp_path):
-    ds = LocalEngine().from_arrow([pa.table({"a": pa.array([], pa.int64())}), pa.table({"a": [1, 2]})])
+def test_local_write_skips_empty_blocks_and_joins_small_ones(tmp_path, monkeypatch):
+    from crawl2chat.stages.data import engine as engine_module
+
+    ds = LocalEngine().from_arrow([pa.table({"a": pa.array([], pa.int64())}), pa.table({"a": [1, 2]}),
+                                   pa.table({"a": [3]}), pa.table({"a": [None, 4]})])
     ds.write_parquet(str(tmp_path / "out"), compression="zstd")
     written = list((tmp_path / "out").glob("*.parquet"))
-    assert len(written) == 1 and pq.read_table(written[0])["a"].to_pylist() == [1, 2]
+    assert len(written) == 1 and pq.read_table(written[0])["a"].to_pylist() == [1, 2, 3, None, 4]
+    # Past the size a file holds, the next block starts a new file; the blocks keep their order.
+    monkeypatch.setattr(engine_module, "WRITE_FILE_BYTES", 20)  # blocks of 16, 8 and 17 bytes
+    ds.write_parquet(str(tmp_path / "cut"), compression="zstd")
+    written = sorted((tmp_path / "cut").glob("*.parquet"))
+    assert [pq.read_table(f)["a"].to_pylist() for f in written] == [[1, 2], [3], [None, 4]]
 
 
 def test_auto_picks_local_for_small_inputs_only(tmp_path, monkeypatch):
