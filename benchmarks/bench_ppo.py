@@ -206,6 +206,13 @@ def compare(preset: str, ours: dict, peer: dict) -> dict:
     return vs
 
 
+def pair_ratios(tries: dict[str, list[dict]]) -> list[float]:
+    """Ours / TRL episodes per second for each pair of runs (the i-th run of each side,
+    taken one after the other), in the order they ran: the spread the machine gives a
+    single pairing, beside the fastest-against-fastest ratio."""
+    return [o["episodes_per_second"] / t["episodes_per_second"] for o, t in zip(tries["ours"], tries["trl"])]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="/tmp/bench_ppo")
@@ -250,9 +257,12 @@ def main() -> None:
         results["runs"][preset] = best["ours"]
         if args.with_peer:
             results.setdefault("trl", {})[preset] = best["trl"]
+            results.setdefault("vs_trl", {})[preset] = compare(preset, best["ours"], best["trl"])
             if len(tries["ours"]) > 1:
                 results.setdefault("tries", {})[preset] = tries
-            results.setdefault("vs_trl", {})[preset] = compare(preset, best["ours"], best["trl"])
+                pairs = results.setdefault("pairs", {})[preset] = pair_ratios(tries)
+                print(f"{preset} episodes/s ours / TRL by pair, in run order: "
+                      f"{', '.join(f'x{r:.2f}' for r in pairs)} (smallest x{min(pairs):.2f})", flush=True)
         results["runs"][preset]["sampling"] = sampling_with_and_without_cache(base, args.batch, args.new_tokens)
     results["machine"]["load_average_at_end"] = os.getloadavg()
     text = json.dumps(results, indent=2)
