@@ -277,11 +277,11 @@ class LocalDataset:
         Path(path).mkdir(parents=True, exist_ok=True)
         prefix = uuid.uuid4().hex[:12]
         files: list[list[pa.Table]] = []
-        size = WRITE_FILE_BYTES
+        size = 0
         for block in self.blocks:
             if not block.num_rows:
                 continue
-            if size + block.nbytes > WRITE_FILE_BYTES:
+            if not files or size + block.nbytes > WRITE_FILE_BYTES:
                 files.append([])
                 size = 0
             files[-1].append(block)
