@@ -8,14 +8,16 @@ into ``shards/``, the version folder renamed before the manifest), rerun, and
 compared with the clean build: same kept ids and content digest, no temporary
 folder left, no process of the command alive.
 
-For pretraining and SFT (tiny models, tens of steps, through the real
-``accelerate launch``), a clean run is timed first; then, at each seeded kill
-point (the owning process, the ``accelerate launch`` process and the training
-rank at a random step, and the owner while a checkpoint is being written), the
+For each training stage (tiny models, tens of steps, launched as ``crawl2chat
+<stage>`` launches them), a clean run is timed first; then, at each seeded kill
+point (the owning process and the training rank at a random step, and the owner
+while a checkpoint is being written), the
 run is started, SIGKILLed there, checked for leftover processes, rerun to the
 end and compared with the clean run's weights, bitwise. A kill point is
 *survived* when nothing was left running and the rerun's weights equal the
-clean run's.
+clean run's. Pretraining is drilled a second time over two processes (DDP), whose
+``accelerate launch`` process is a kill point of its own (a one-process run has
+no launcher: its owner starts the rank).
 
     python benchmarks/bench_faults.py [--out DIR] [--seed 7] [--stages data,pretrain,sft,reward,dpo,ppo]
 
@@ -43,7 +45,8 @@ def drill_stage(stage: str, make_spec, clean_out: Path, root: Path, seed: int, m
     rerun(make_spec(clean_out))
     clean_seconds = time.monotonic() - t0
     rows = []
-    for i, point in enumerate(seeded_points(seed, max_steps, checkpoint_every)):
+    several = make_spec(clean_out).get("num_processes", 1) > 1
+    for i, point in enumerate(seeded_points(seed, max_steps, checkpoint_every, launcher=several)):
         spec = make_spec(root / f"{stage}-kill-{i}")
         row = {"point": str(point)}
         try:
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
         if "pretrain" in stages:
             results.append(drill_stage("pretrain", lambda out: pretrain_spec(inputs, out), clean_pretrain, root,
                                        args.seed, PRETRAIN_STEPS))
+            results.append(drill_stage("pretrain-ddp", lambda out: {**pretrain_spec(inputs, out), "num_processes": 2},
+                                       root / "pretrain-ddp-clean", root, args.seed + 5, PRETRAIN_STEPS))
         elif "sft" in stages or later:
             rerun(pretrain_spec(inputs, clean_pretrain))
         sft = clean_sft / "model"

@@ -8,8 +8,10 @@ left, reruns the same launch to the end and returns how long each part took.
 The fault tests (``tests/faults``) and ``benchmarks/bench_faults.py`` use it.
 
 Kill targets: ``owner`` (its whole process group, as a terminal or a process
-supervisor kills a command), ``launcher`` (the ``accelerate launch`` process)
-and ``rank`` (the training process). Kill points: ``step`` (once
+supervisor kills a command), ``launcher`` (the ``accelerate launch`` process,
+which only a run of several processes has: the owner starts a one-process run
+itself) and ``rank`` (a training process). A spec's optional
+``num_processes`` sets how many ranks the run has (one by default). Kill points: ``step`` (once
 ``metrics.jsonl`` shows that many optimizer steps) or ``save`` (while a
 checkpoint is being written: a ``step_*.tmp`` folder exists after that step).
 """
@@ -142,6 +144,9 @@ def kill_at(spec: dict, point: KillPoint, timeout: float = 600.0, on_running=Non
 
     out = Path(spec["out"])
     module = STAGES[spec["stage"]].module
+    if point.target == "launcher" and spec.get("num_processes", 1) == 1:
+        raise ValueError(f"{point}: a one-process run has no launcher process (its owner starts the rank); "
+                         "give the spec num_processes >= 2")
     owner = start_owner(spec, out.parent / f"{out.name}.owner.log")
     t0 = time.monotonic()
     killed, called = False, False
@@ -184,7 +189,7 @@ def rerun(spec: dict) -> float:
 
     t0 = time.monotonic()
     launch_training(spec["stage"], spec["inputs"], spec["out"], max_steps=spec["max_steps"],
-                    overrides=spec["overrides"])
+                    overrides=spec["overrides"], num_processes=spec.get("num_processes", 1))
     return time.monotonic() - t0
 
 
@@ -283,15 +288,20 @@ def ppo_spec(inputs: dict, policy: str | os.PathLike, reward: str | os.PathLike,
             "out": str(out), "max_steps": PPO_STEPS, "overrides": PPO}
 
 
-def seeded_points(seed: int, max_steps: int, checkpoint_every: int) -> list[KillPoint]:
-    """One kill of each target at a seeded step, and one of the owner during a save."""
+def seeded_points(seed: int, max_steps: int, checkpoint_every: int, launcher: bool = False) -> list[KillPoint]:
+    """One kill of the owner and of the rank at a seeded step, one of the owner during a
+    save, and with ``launcher`` (a run of several processes) one of the launcher."""
     import random
 
     rng = random.Random(seed)
     lo, hi = checkpoint_every + 2, max_steps - 5
-    return [KillPoint("owner", rng.randint(lo, hi)), KillPoint("rank", rng.randint(lo, hi)),
-            KillPoint("launcher", rng.randint(lo, hi)),
-            KillPoint("owner", rng.randint(checkpoint_every, max_steps - checkpoint_every - 1), during_save=True)]
+    points = [KillPoint("owner", rng.randint(lo, hi)), KillPoint("rank", rng.randint(lo, hi))]
+    launcher_step = rng.randint(lo, hi)
+    if launcher:
+        points.append(KillPoint("launcher", launcher_step))
+    points.append(KillPoint("owner", rng.randint(checkpoint_every, max_steps - checkpoint_every - 1),
+                            during_save=True))
+    return points
 
 
 
@@ -439,4 +449,4 @@ if __name__ == "__main__":
 
     _spec = json.loads(sys.argv[1])
     launch_training(_spec["stage"], _spec["inputs"], _spec["out"], max_steps=_spec["max_steps"],
-                    overrides=_spec["overrides"])
+                    overrides=_spec["overrides"], num_processes=_spec.get("num_processes", 1))

@@ -1,7 +1,8 @@
 """Starting training stages under ``accelerate launch`` and streaming their output.
 
 The orchestration layer (a Prefect task, the CLI, a test) builds the command
-with :func:`accelerate_command` and runs it with :func:`run_streaming`, which
+with :func:`accelerate_command` (a one-process launch becomes the rank's own
+command, :func:`simple_launch`) and runs it with :func:`run_streaming`, which
 hands every output line to a callback (a logger, a progress parser) as it
 arrives and keeps the whole log on disk; a failure raises with the tail of
 that log, so the error that killed a distributed job is in the exception.
@@ -113,6 +114,42 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
         env = [] if deepspeed else ["env", "ACCELERATE_USE_CPU=true"]
         cmd = [*env, *cmd, "--mixed_precision", "no", "--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]
+
+
+def simple_launch(cmd: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """What ``accelerate launch`` would start for ``cmd`` (one of :func:`accelerate_command`)
+    when it uses its simple launcher: the rank's command line and the variables accelerate
+    adds to its environment; None for launches through torchrun or DeepSpeed's launcher.
+
+    For one process, accelerate's launcher only starts the script with a few variables
+    set (precision, threads, dynamo, CPU) and waits for it, after importing torch to
+    work them out: ~2.5 s on a small CPU before the rank starts, which imports torch
+    again. This works them out with accelerate's own parser, config-file defaults and
+    ``prepare_simple_launcher_cmd_env``, in the caller's process, which has torch
+    imported already; the rank then runs as the caller's child, one link shorter."""
+    env: dict[str, str] = {}
+    rest = list(cmd)
+    if rest[:1] == ["env"]:
+        rest.pop(0)
+        while rest and "=" in rest[0] and not rest[0].startswith("-"):
+            key, _, value = rest.pop(0).partition("=")
+            env[key] = value
+    if rest[:3] != [sys.executable, "-m", "accelerate.commands.launch"]:
+        return None
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import ComputeEnvironment
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(rest[3:]))
+    # The branches of accelerate's ``launch_command`` that do not end in ``simple_launcher``.
+    if not args.cpu and (args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.multi_gpu or args.tpu):
+        return None
+    if defaults is not None and defaults.compute_environment == ComputeEnvironment.AMAZON_SAGEMAKER:
+        return None
+    rank_cmd, rank_env = prepare_simple_launcher_cmd_env(args)
+    # The launcher copies its own environment, which ``env`` prefixed, and sets its variables over it.
+    env.update({k: v for k, v in rank_env.items() if os.environ.get(k) != v})
+    return rank_cmd, env
 
 
 def distributed_type(config: str | os.PathLike) -> str:

@@ -1,7 +1,8 @@
 """Processes that never outlive whoever started them.
 
 A training launch is a chain: the command or Prefect task (the *owner*) starts
-``accelerate launch``, which starts one process per rank. Killing the owner
+``accelerate launch``, which starts one process per rank (a one-process run is
+started by the owner itself, ``infra.launch.simple_launch``). Killing the owner
 with any signal, SIGKILL included, must take the whole chain with it, or the
 ranks go on writing checkpoints into a folder a rerun is about to use.
 

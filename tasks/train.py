@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from crawl2chat.infra.mlflow_datasets import dataset_entity, file_dataset
-from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming
+from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming, simple_launch
 from crawl2chat.infra.records import log_record, plot_curves
 from crawl2chat.infra.run_folders import DONE_FILE, input_identity, link_latest, recorded_run, run_folder
 from crawl2chat.infra.tracking import stage_run
@@ -39,7 +39,9 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
                  env: dict[str, str] | None = None, node: NodeLayout | None = None, cpu_share: int = 1) -> int:
     """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``
     (``OUT/train-node<r>.log`` for machine r > 0 of a job over several); ``cpu_share``: jobs
-    training on this machine's cores at the same time (:func:`accelerate_command`)."""
+    training on this machine's cores at the same time (:func:`accelerate_command`). One
+    process is started here as accelerate's simple launcher would start it
+    (:func:`~crawl2chat.infra.launch.simple_launch`)."""
     import torch
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -50,7 +52,12 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
     log = "train.log" if node is None or node.rank == 0 else f"train-node{node.rank}.log"
     allocator = training_allocator_env() if cpu else {}
-    return run_streaming(cmd, env={**allocator, **quiet, **(env or {})}, log_path=Path(out) / log, on_line=on_line)
+    launcher_env: dict[str, str] = {}
+    direct = simple_launch(cmd)
+    if direct is not None:  # one process: started here as accelerate's launcher would start it
+        cmd, launcher_env = direct
+    return run_streaming(cmd, env={**allocator, **quiet, **(env or {}), **launcher_env}, log_path=Path(out) / log,
+                         on_line=on_line)
 
 
 # glibc's malloc, by default, gives freed memory at the top of the heap back to the system and

@@ -19,7 +19,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming
+from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming, simple_launch
 from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
 from crawl2chat.stages.settings import load_settings, parse_overrides
@@ -399,6 +399,29 @@ def test_training_processes_start_with_fixed_allocator_thresholds(tmp_path, monk
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     launch_stage("envprobe", [str(tmp_path / "b.json")], tmp_path / "b", env={"PYTHONPATH": str(tmp_path)})
     assert json.loads((tmp_path / "b.json").read_text())["MALLOC_TRIM_THRESHOLD_"] == "0"
+
+
+def test_one_process_starts_as_accelerate_launch_would_start_it(tmp_path):
+    """A one-process stage starts without accelerate's launcher process: the rank gets the
+    same command line and the same environment as under the real ``accelerate launch``."""
+    (tmp_path / "probe.py").write_text("import json, os, sys\n"
+                                       "json.dump({'env': dict(os.environ), 'argv': sys.argv[1:]}, open(sys.argv[1], 'w'))\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    run_streaming(accelerate_command("probe", [str(tmp_path / "cli.json"), "--x"]), env=env)
+    launch_stage("probe", [str(tmp_path / "direct.json"), "--x"], tmp_path / "direct", env=env)
+    cli, direct = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("cli", "direct"))
+    assert cli["argv"][1:] == direct["argv"][1:] == ["--x"]
+    for name in TRAINING_ALLOCATOR_ENV:  # launch_stage's own additions, not the launcher's
+        direct["env"].pop(name, None), cli["env"].pop(name, None)
+    for name in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"):
+        direct["env"].pop(name, None), cli["env"].pop(name, None)
+    assert direct["env"] == cli["env"] and direct["env"]["ACCELERATE_MIXED_PRECISION"] == "no"
+    rank_cmd, rank_env = simple_launch(accelerate_command("m", ["--x"], num_processes=1, cpu=True))
+    assert rank_cmd[-3:] == ["-m", "m", "--x"] and "accelerate.commands.launch" not in rank_cmd
+    assert rank_env["ACCELERATE_USE_CPU"] == "True"
+    # Several processes go through accelerate's own launcher (torchrun, DeepSpeed's).
+    assert simple_launch(accelerate_command("m", [], num_processes=2, cpu=True)) is None
+    assert simple_launch(accelerate_command("m", [], num_processes=2, accelerate_config="fsdp", cpu=False)) is None
 
 
 @pytest.mark.slow

@@ -29,6 +29,14 @@ def pretrain_reference(fault_root, corpus) -> Path:
 
 
 @pytest.fixture(scope="session")
+def pretrain_ddp_reference(fault_root, corpus) -> Path:
+    """The uninterrupted pretraining run over two processes (DDP through ``accelerate launch``)."""
+    out = fault_root / "pretrain-ddp-reference"
+    rerun({**pretrain_spec(corpus, out), "num_processes": 2})
+    return out
+
+
+@pytest.fixture(scope="session")
 def sft_reference(fault_root, corpus, pretrain_reference) -> Path:
     """The uninterrupted SFT run on the reference base model."""
     out = fault_root / "sft-reference"

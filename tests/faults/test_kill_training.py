@@ -1,5 +1,5 @@
 """SIGKILL a training run's owner (the process running ``launch_training``, as the CLI
-and the Prefect task do), its ``accelerate launch`` or its rank at seeded points of a
+and the Prefect task do), the ``accelerate launch`` of a two-process run or a rank at seeded points of a
 tiny pretraining, SFT, reward-model, DPO and PPO run; after each kill no process of the run is left,
 and rerunning the same launch gives bitwise the weights of an uninterrupted run.
 While a run is going, a second launch on its folder is refused naming the holder."""
@@ -64,12 +64,21 @@ def _drill(spec: dict, point: KillPoint, reference, on_running=None) -> dict:
 
 
 @pytest.mark.parametrize("point", PRETRAIN_POINTS, ids=str)
-def test_pretrain_killed_then_rerun_is_exact(fault_root, corpus, pretrain_reference, point):
+def test_pretrain_killed_then_rerun_is_exact(fault_root, corpus, request, point):
+    """The launcher is killed in a run over two processes (DDP): a one-process run has none."""
     spec = pretrain_spec(corpus, fault_root / f"pretrain-{point}".replace("@", "-").replace(">", ""))
+    if point.target == "launcher":
+        spec["num_processes"] = 2
+    reference = request.getfixturevalue("pretrain_ddp_reference" if point.target == "launcher" else "pretrain_reference")
     first = point is PRETRAIN_POINTS[0]
-    _drill(spec, point, pretrain_reference, on_running=_second_writers_refused(spec) if first else None)
+    _drill(spec, point, reference, on_running=_second_writers_refused(spec) if first else None)
     summary = json.loads((fault_root / spec["out"] / "metrics.json").read_text())
     assert summary["steps"] == PRETRAIN_STEPS
+
+
+def test_one_process_run_has_no_launcher_to_kill(fault_root, corpus):
+    with pytest.raises(ValueError, match="a one-process run has no launcher process"):
+        kill_at(pretrain_spec(corpus, fault_root / "pretrain-no-launcher"), KillPoint("launcher", 5))
 
 
 @pytest.mark.parametrize("point", SFT_POINTS, ids=str)
