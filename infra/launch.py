@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,10 +170,15 @@ def _free_port() -> int:
 
 def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
                   on_line: Callable[[str], None] | None = None, tail_lines: int = 60, cwd: str | None = None,
-                  grace_seconds: float = 10.0) -> int:
+                  grace_seconds: float = 10.0, meanwhile: Sequence[Callable[[], object]] = ()) -> int:
     """Run ``cmd``, passing each output line (stdout and stderr merged) to ``on_line``
     and appending it to ``log_path``. Returns 0; raises :class:`LaunchError` with the
     last ``tail_lines`` lines otherwise. ``env`` is added to this process's environment.
+
+    ``meanwhile``: work the caller does after the command anyway (importing what its
+    evaluation loads), done on this thread once the command has started, while it
+    starts up (its output waits in the pipe meanwhile). A failing item is skipped and
+    left to the code that needs it, to report where it belongs.
 
     The command never outlives this process: it runs in a process group of its
     own, with a parent-death signal (SIGKILL, on Linux) tied to the calling
@@ -195,6 +200,11 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: s
                                 text=True, bufsize=1, errors="replace", start_new_session=True,
                                 preexec_fn=die_with_parent_preexec() if HAVE_PDEATHSIG else None)
         try:
+            for item in meanwhile:
+                try:
+                    item()
+                except Exception:  # noqa: BLE001 - raised again where the work is really needed
+                    pass
             assert proc.stdout is not None
             for line in proc.stdout:
                 line = line.rstrip("\n")

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mlflow
 from prefect import task
@@ -36,12 +36,14 @@ from crawl2chat.stages.training.stage import model_damage, script_argv
 
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
                  accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
-                 env: dict[str, str] | None = None, node: NodeLayout | None = None, cpu_share: int = 1) -> int:
+                 env: dict[str, str] | None = None, node: NodeLayout | None = None, cpu_share: int = 1,
+                 meanwhile: Sequence[Callable[[], object]] = ()) -> int:
     """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``
     (``OUT/train-node<r>.log`` for machine r > 0 of a job over several); ``cpu_share``: jobs
     training on this machine's cores at the same time (:func:`accelerate_command`). One
     process is started here as accelerate's simple launcher would start it
-    (:func:`~crawl2chat.infra.launch.simple_launch`)."""
+    (:func:`~crawl2chat.infra.launch.simple_launch`). ``meanwhile``: work done here while
+    the ranks start up (:func:`~crawl2chat.infra.launch.run_streaming`)."""
     import torch
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,7 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     if direct is not None:  # one process: started here as accelerate's launcher would start it
         cmd, launcher_env = direct
     return run_streaming(cmd, env={**allocator, **quiet, **(env or {}), **launcher_env}, log_path=Path(out) / log,
-                         on_line=on_line)
+                         on_line=on_line, meanwhile=meanwhile)
 
 
 # glibc's malloc, by default, gives freed memory at the top of the heap back to the system and
@@ -79,11 +81,13 @@ def training_allocator_env() -> dict[str, str]:
 def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_steps: int | None = None,
                     config: str | None = None, overrides: list[str] | None = None, num_processes: int = 1,
                     accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
-                    env: dict[str, str] | None = None, nodes: int = 1, cpu_share: int = 1) -> int:
+                    env: dict[str, str] | None = None, nodes: int = 1, cpu_share: int = 1,
+                    meanwhile: Sequence[Callable[[], object]] = ()) -> int:
     """Run the training stage ``stage`` (see the registry) under ``accelerate launch``;
     a stage that prepares on the host (pretraining's tokenizer and packing, on Ray)
     does that first. ``nodes`` > 1: over that many machines of the Ray cluster
-    (:func:`launch_across_nodes`). Raises :class:`StageFailed` with the kind the script
+    (:func:`launch_across_nodes`). ``meanwhile``: work done here while the ranks
+    start up, on one machine (:func:`launch_stage`). Raises :class:`StageFailed` with the kind the script
     reported, and :class:`~crawl2chat.stages.locks.FolderBusy` naming the holder's pid
     when another process is writing ``out``."""
     with hold_folder(out):  # one writer per run folder (re-entrant: record_training holds it already)
@@ -91,11 +95,12 @@ def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_ste
             return launch_across_nodes(stage, inputs, out, nodes, max_steps, config, overrides, num_processes,
                                        accelerate_config, env)
         return _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
-                                on_line, env, cpu_share=cpu_share)
+                                on_line, env, cpu_share=cpu_share, meanwhile=meanwhile)
 
 
 def _launch_training(stage, inputs, out, max_steps, config, overrides, num_processes, accelerate_config,
-                     on_line, env, node: NodeLayout | None = None, prepare: bool = True, cpu_share: int = 1) -> int:
+                     on_line, env, node: NodeLayout | None = None, prepare: bool = True, cpu_share: int = 1,
+                     meanwhile: Sequence[Callable[[], object]] = ()) -> int:
     import importlib
 
     spec = STAGES[stage]
@@ -115,7 +120,8 @@ def _launch_training(stage, inputs, out, max_steps, config, overrides, num_proce
         if on_ray:
             release_local_ray()  # the training processes get the cores a local Ray would keep busy
     try:
-        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node, cpu_share)
+        return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node, cpu_share,
+                            meanwhile)
     except LaunchError as e:
         failure = read_failure(out) or {"kind": TRANSIENT, "message": f"the training process exited with status "
                                                                       f"{e.returncode} without reporting why"}
@@ -370,6 +376,19 @@ def _evaluation(stage: str, inputs: dict[str, str], settings: dict[str, Any],
     return None
 
 
+def _evaluation_imports(stage: str) -> list[Callable[[], object]]:
+    """What the stage's end-of-stage evaluation imports to load the model (~3 s on a small
+    CPU), to do while the training processes start up instead of after they end."""
+    import functools
+    import importlib
+
+    if STAGES[stage].evaluation is None:
+        return []
+    from crawl2chat.stages.inference.generation import MODEL_MODULES
+
+    return [functools.partial(importlib.import_module, name) for name in MODEL_MODULES]
+
+
 def _evaluate_policy(policy_dir: str, parent_dir: str, reward_dir: str, prompts_file: str,
                      eval_data: str | None, n_prompts: int = 16) -> dict:
     """A policy's LM figures plus its win rate against its SFT parent under the reward model."""
@@ -451,7 +470,8 @@ def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str
             print(f"[{stage}] launching {num_processes} processes over {nodes} machines of the Ray cluster; "
                   f"their output is in {run_dir}/train*.log", flush=True)
         launch_training(stage, inputs, run_dir, config=config_file, on_line=on_line, num_processes=num_processes,
-                        accelerate_config=accelerate_config, nodes=nodes, cpu_share=cpu_share)
+                        accelerate_config=accelerate_config, nodes=nodes, cpu_share=cpu_share,
+                        meanwhile=_evaluation_imports(stage))
 
     def artifact_dirs(summary: dict) -> None:
         for key in spec.artifact_dirs:

@@ -401,6 +401,28 @@ def test_training_processes_start_with_fixed_allocator_thresholds(tmp_path, monk
     assert json.loads((tmp_path / "b.json").read_text())["MALLOC_TRIM_THRESHOLD_"] == "0"
 
 
+def test_work_done_while_the_launched_command_starts(tmp_path):
+    """``meanwhile`` runs once the command has started, past a failing item, and the
+    command's output still arrives whole."""
+    started = tmp_path / "started"
+    script = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(0.3); print('a'); print('b')"
+    seen, lines = [], []
+
+    def wait_for_start():
+        deadline = time.monotonic() + 30
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(started.exists())
+
+    assert run_streaming(["python3", "-c", script], on_line=lines.append, meanwhile=[lambda: 1 / 0, wait_for_start]) == 0
+    assert seen == [True] and lines == ["a", "b"]
+    # The training stages import what their evaluation loads while the ranks start up.
+    from crawl2chat.tasks.train import _evaluation_imports
+
+    assert len(_evaluation_imports("pretrain")) == 3
+    assert _evaluation_imports(next(name for name, spec in STAGES.items() if spec.evaluation is None)) == []
+
+
 def test_one_process_starts_as_accelerate_launch_would_start_it(tmp_path):
     """A one-process stage starts without accelerate's launcher process: the rank gets the
     same command line and the same environment as under the real ``accelerate launch``."""

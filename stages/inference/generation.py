@@ -49,6 +49,13 @@ def serving_defaults(model_dir: str | os.PathLike) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+# What :func:`load_model` imports for the project's (Llama) models: ~3 s on a small CPU, as
+# transformers' model classes pull in torch._dynamo, torch.distributed.tensor and scipy. A caller
+# that loads a model after other work can import these first, while that work runs.
+MODEL_MODULES = ("transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+                 "transformers.models.llama.modeling_llama")
+
+
 def load_model(model_dir: str | os.PathLike, quantize: str | None = None, device: str = "cpu"):
     """``(model, tokenizer)`` for inference from a model folder. ``quantize``:
     ``None``/``"none"`` or ``"int8"``."""
