@@ -15,7 +15,9 @@ per step this run sees more text; bits per byte compares the two fairly.
 Side by side with nanoGPT (``--with-peer`` creates its venv, see ``benchmarks/peers.py``):
 nanoGPT's own ``train.py`` (the unmodified sources in ``../shared/peers/nanogpt``, run in a
 scratch copy with the same ``input.txt``) at that shape, then ours, one after the other in
-this invocation; prints tokens/s, whole-command wall time and bits per byte of both, and
+this invocation (ours: the whole ``crawl2chat pretrain`` command in a new project folder,
+Prefect, MLflow and the end-of-stage evaluation included; nanoGPT: its data preparation and
+``train.py``); prints tokens/s, whole-command wall time and bits per byte of both, and
 the ratios, with the two figures that say why tokens/s alone misleads here: training FLOPs
 a token (a 512-token vocabulary and SwiGLU's three matrices against 65 characters and a
 GELU MLP's two) and text bytes a second (a BPE token carries a few characters).
@@ -70,24 +72,38 @@ def throughput(data: Path, out: Path, preset: str, steps: int, num_processes: in
 
 
 def quality(out: Path, steps: int, compile: bool = False) -> dict:
-    run = out / f"shakespeare-{steps}"
-    shutil.rmtree(run, ignore_errors=True)  # a finished run folder would be reused, not timed
+    """The whole ``crawl2chat pretrain`` command, as a user runs it in a new project folder:
+    start-up, the Prefect flow and task runs, MLflow's records, tokenizer and packing, the
+    training process, the model's registration and the end-of-stage evaluation."""
+    import subprocess
+
+    project = out / f"project-{steps}"
+    shutil.rmtree(project, ignore_errors=True)  # a finished run folder would be reused, not timed
+    project.mkdir(parents=True)
+    settings = ["vocab_size=512", "val_fraction=0.1", "seq_len=64", "micro_batch_size=12", "grad_accum=1",
+                "lr=1e-3", "min_lr=1e-4", "warmup_steps=100", "schedule=cosine", "weight_decay=0.1",
+                # nanoGPT's evaluation and saving in this pairing: one evaluation at the end
+                # (its eval_interval is the run's length; 20 batches of each split, 40 forward
+                # passes, here 40 held-out batches) and one checkpoint.
+                "betas=[0.9, 0.99]", f"eval_every={steps}", "eval_batches=40",
+                f"checkpoint_every={steps}", f"compile={str(compile).lower()}"]
+    cmd = [str(Path(sys.executable).with_name("crawl2chat")), "pretrain", "--data", str(SHAKESPEARE),
+           "--out", "run", "--max-steps", str(steps), "--preset", "cpu-small",
+           *[a for kv in settings for a in ("--set", f"pretrain.train.{kv}")]]
     t0 = time.perf_counter()
-    launch_training("pretrain", {"data": str(SHAKESPEARE)}, str(run), max_steps=steps, num_processes=1,
-                    overrides=["preset=cpu-small", "vocab_size=512", "val_fraction=0.1", "seq_len=64", "micro_batch_size=12", "grad_accum=1",
-                      "lr=1e-3", "min_lr=1e-4", "warmup_steps=100", "schedule=cosine", "weight_decay=0.1",
-                      # nanoGPT's evaluation and saving in this pairing: one evaluation at the end
-                      # (its eval_interval is the run's length; 20 batches of each split, 40 forward
-                      # passes, here 40 held-out batches) and one checkpoint.
-                      "betas=[0.9, 0.99]", f"eval_every={steps}", "eval_batches=40",
-                      f"checkpoint_every={steps}", f"compile={str(compile).lower()}"])
+    proc = subprocess.run(cmd, cwd=project, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (out / f"command-{steps}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise RuntimeError(f"crawl2chat pretrain exited {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}")
+    run = project / "run" / "latest"
     m = json.loads((run / "metrics.json").read_text())
     train = json.loads((run / "data" / "index.json").read_text())["train"]
     return {"steps": m["steps"], "tokens_per_step": 12 * 64, "val_loss_nats_per_token": m["val_loss"],
             "bytes_per_token": train["bytes"] / train["tokens"], "flops_per_token": m["flops_per_token"],
             "bytes_per_second": m["tokens_per_second"] * train["bytes"] / train["tokens"],
             "val_bpb": m["val_bpb"], "nanogpt_char_reference_bpb": NANOGPT_REF_BPB,
-            "train_wall_seconds": m["wall_seconds"], "wall_seconds_incl_launch": time.perf_counter() - t0,
+            "train_wall_seconds": m["wall_seconds"], "wall_seconds_incl_launch": wall,
             "params_m": m["params"] / 1e6, "tokens_per_second": m["tokens_per_second"], "compile": compile,
             "first_step_seconds": m["first_step_seconds"]}
 
