@@ -140,7 +140,7 @@ def train(
     _prepare_services(cfg)
     from crawl2chat.flows.pipeline import train_flow
 
-    result = _guarded(lambda: train_flow(cfg, data), cfg)
+    result = _guarded(lambda: train_flow(cfg, data), cfg, meanwhile=_module_imports(STAGES["pretrain"].module, "transformers"))
     typer.echo("\n".join(f"{name + ' model:':<14} {result[name]['model_dir']}"
                           for name in ("pretrain", "sft", "reward", "ppo", "dpo") if name in result))
 
@@ -172,6 +172,15 @@ def _data_step_imports(cfg) -> list:
     from crawl2chat.stages.data.pipeline import step_libraries
 
     return [functools.partial(importlib.import_module, name) for name in step_libraries(cfg.data)]
+
+
+def _module_imports(*modules: str) -> list:
+    """Importing ``modules`` (a training stage's script and transformers, ~2-3 s: torch, the
+    tokenizer's and the model's code), as work for the wait on the local API."""
+    import functools
+    import importlib
+
+    return [functools.partial(importlib.import_module, name) for name in modules]
 
 
 def _guarded(body, cfg=None, meanwhile=()):
@@ -227,7 +236,7 @@ def _stage_command(name: str):
         _prepare_services(cfg)
         from crawl2chat.flows.pipeline import stage_flow
 
-        summary = _guarded(lambda: stage_flow(name)(cfg, **kw), cfg)
+        summary = _guarded(lambda: stage_flow(name)(cfg, **kw), cfg, meanwhile=_module_imports(stage.module, "transformers"))
         typer.echo(f"\n{name} model: {summary['model_dir']}\n  {stage.report(summary)}\n"
                    f"  MLflow: {summary.get('model_uri')} (run {summary['run_id']})")
 
