@@ -123,7 +123,7 @@ def simple_launch(cmd: list[str]) -> tuple[list[str], dict[str, str]] | None:
 
     For one process, accelerate's launcher only starts the script with a few variables
     set (precision, threads, dynamo, CPU) and waits for it, after importing torch to
-    work them out: ~2.5 s on a small CPU before the rank starts, which imports torch
+    work them out: ~1.5-2.5 s on a small CPU before the rank starts, which imports torch
     again. This works them out with accelerate's own parser, config-file defaults and
     ``prepare_simple_launcher_cmd_env``, in the caller's process, which has torch
     imported already; the rank then runs as the caller's child, one link shorter."""
