@@ -912,12 +912,13 @@ def test_crawl_that_got_nothing_is_not_marked_done(tmp_path):
     """The data stage's crawl task: a site that is down leaves no done marker, so the next run crawls again."""
     import mlflow
 
+    from crawl2chat.infra.tracking import setup_tracking
     from crawl2chat.tasks.data import CRAWL_MARKER, crawl_task
 
     with LocalServer([]) as server:
         dead_url = server.url + "/"
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mlflow.set_experiment("crawl")  # not the experiment an earlier test made active in another store
+    # Not the experiment an earlier test made active in another store; artifacts under tmp_path.
+    setup_tracking(tmp_path, "crawl", f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
         cfg = quick_config(dead_url)
         assert crawl_task.fn(cfg, str(tmp_path / "out")) == []
