@@ -166,17 +166,14 @@ def _open_tracking(cfg) -> None:
 
 def _data_step_imports(cfg) -> list:
     """Importing the data steps' costliest libraries, as work for the wait on the local API."""
-    import functools
-    import importlib
-
     from crawl2chat.stages.data.pipeline import step_libraries
 
-    return [functools.partial(importlib.import_module, name) for name in step_libraries(cfg.data)]
+    return _module_imports(*step_libraries(cfg.data))
 
 
 def _module_imports(*modules: str) -> list:
-    """Importing ``modules`` (a training stage's script and transformers, ~2-3 s: torch, the
-    tokenizer's and the model's code), as work for the wait on the local API."""
+    """Importing ``modules`` (the data steps' libraries; a training stage's script and
+    transformers, ~2-3 s), as work for the wait on the local API."""
     import functools
     import importlib
 

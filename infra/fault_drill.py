@@ -296,7 +296,7 @@ def seeded_points(seed: int, max_steps: int, checkpoint_every: int, launcher: bo
     rng = random.Random(seed)
     lo, hi = checkpoint_every + 2, max_steps - 5
     points = [KillPoint("owner", rng.randint(lo, hi)), KillPoint("rank", rng.randint(lo, hi))]
-    launcher_step = rng.randint(lo, hi)
+    launcher_step = rng.randint(lo, hi)  # drawn either way: a seed gives the same other points with or without it
     if launcher:
         points.append(KillPoint("launcher", launcher_step))
     points.append(KillPoint("owner", rng.randint(checkpoint_every, max_steps - checkpoint_every - 1),
