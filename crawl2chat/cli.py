@@ -11,7 +11,8 @@ from typing import Optional
 import typer
 from typer.core import TyperCommand
 
-from crawl2chat.infra.prefect_runtime import configure_prefect_env, start_embedded_api, wait_for_embedded_api
+from crawl2chat.infra.prefect_runtime import (configure_prefect_env, flow_settings, start_embedded_api,
+                                             wait_for_embedded_api)
 from crawl2chat.stages.training.registry import STAGES
 
 
@@ -200,7 +201,8 @@ def _guarded(body, cfg=None, meanwhile=()):
     except RuntimeError as e:
         _fail(str(e))
     try:
-        return body()
+        with flow_settings():
+            return body()
     except StageFailed as e:
         if not e.permanent:
             raise

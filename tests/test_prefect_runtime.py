@@ -14,21 +14,28 @@ import pytest
 
 COMMAND = textwrap.dedent("""
     import json, os, sys, time
-    from crawl2chat.infra.prefect_runtime import configure_prefect_env, start_embedded_api, wait_for_embedded_api
+    from crawl2chat.infra.prefect_runtime import (configure_prefect_env, flow_settings, start_embedded_api,
+                                                 wait_for_embedded_api)
     configure_prefect_env(sys.argv[1])
     start_embedded_api(sys.argv[1])
     url = os.environ["PREFECT_API_URL"]
     from prefect import flow
+    from prefect.settings import get_current_settings
+
+    heartbeats = []
 
     @flow(name="probe")
     def probe() -> int:
+        heartbeats.append(get_current_settings().flows.heartbeat_frequency)  # what the flow engine reads
         return 7
 
     done = []
     # Work done while the server does not answer yet; one failing item does not stop the rest.
     wait_for_embedded_api(meanwhile=[lambda: 1 / 0, lambda: done.append(bool(__import__("trafilatura")))])
     server = __import__("crawl2chat.infra.prefect_runtime", fromlist=["_EmbeddedAPI"])._EmbeddedAPI.process.pid
-    print(json.dumps({"url": url, "result": probe(), "server": server,
+    with flow_settings():  # as the CLI runs its flows
+        result = probe()
+    print(json.dumps({"url": url, "result": result, "server": server, "heartbeats": heartbeats,
                       "server_imported": "prefect.server.api.server" in sys.modules, "meanwhile": done}),
           flush=True)
 """)
@@ -50,6 +57,7 @@ def test_flows_run_against_the_commands_own_server_and_new_folders_start_from_th
     cache = tmp_path / "cache"
     first = run_command(tmp_path / "one", cache)
     assert first["result"] == 7 and first["url"].startswith("http://127.0.0.1:")
+    assert first["heartbeats"] == [None]  # no heartbeat thread to wait for at the flow run's end
     assert not first["server_imported"]  # the command never loads Prefect's server package
     assert first["meanwhile"] == [True]  # done while the server came up, past a failing item
     assert not psutil.pid_exists(first["server"])  # stopped with the command
@@ -73,3 +81,17 @@ def test_flows_run_against_the_commands_own_server_and_new_folders_start_from_th
     con.close()
     assert "template_mark" in tables and flows == ["probe"]
     assert list((tmp_path / "two" / "prefect").glob(".prefect.db.tmp-*")) == []
+
+
+def test_flows_against_a_configured_server_keep_prefects_heartbeats():
+    """With no temporary server of the command's own (``PREFECT_API_URL`` names the user's
+    server), flow runs send heartbeats as Prefect's settings say: automations there may watch them."""
+    from prefect.settings import get_current_settings
+
+    from crawl2chat.infra.prefect_runtime import _EmbeddedAPI, flow_settings
+
+    assert _EmbeddedAPI.process is None
+    before = get_current_settings().flows.heartbeat_frequency
+    with flow_settings():
+        assert get_current_settings().flows.heartbeat_frequency == before
+    assert before is not None
