@@ -26,6 +26,7 @@ from pathlib import Path
 
 from crawl2chat.stages.lifetime import (HAVE_PDEATHSIG, OWNER_ENV, descendants, die_with_parent_preexec,
                                        terminate_tree)
+from crawl2chat.stages.start_gate import GO, START_GATE_ENV
 
 CONFIG_DIR = Path(__file__).resolve().parent / "accelerate"
 
@@ -170,7 +171,8 @@ def _free_port() -> int:
 
 def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: str | os.PathLike | None = None,
                   on_line: Callable[[str], None] | None = None, tail_lines: int = 60, cwd: str | None = None,
-                  grace_seconds: float = 10.0, meanwhile: Sequence[Callable[[], object]] = ()) -> int:
+                  grace_seconds: float = 10.0, meanwhile: Sequence[Callable[[], object]] = (),
+                  prepare: Callable[[], object] | None = None) -> int:
     """Run ``cmd``, passing each output line (stdout and stderr merged) to ``on_line``
     and appending it to ``log_path``. Returns 0; raises :class:`LaunchError` with the
     last ``tail_lines`` lines otherwise. ``env`` is added to this process's environment.
@@ -180,6 +182,12 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: s
     starts up (its output waits in the pipe meanwhile). A failing item is skipped and
     left to the code that needs it, to report where it belongs.
 
+    ``prepare``: work the command's input needs done first (a training stage's
+    tokenizer and packing), done here while the command, started with
+    ``CRAWL2CHAT_START_GATE``, imports its libraries and waits at its gate
+    (:mod:`crawl2chat.stages.start_gate`); when it is done the command is told to go on.
+    When it fails, the command is stopped and its error raised here.
+
     The command never outlives this process: it runs in a process group of its
     own, with a parent-death signal (SIGKILL, on Linux) tied to the calling
     thread, and its pid passed down as the owner of the job
@@ -187,7 +195,8 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: s
     the owner gone and exits. When this call is interrupted (Ctrl-C, SIGTERM
     turned into an exception, a cancelled task) the whole tree gets SIGTERM, then
     SIGKILL after ``grace_seconds``."""
-    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", OWNER_ENV: str(os.getpid())}
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", OWNER_ENV: str(os.getpid()),
+                **({START_GATE_ENV: "1"} if prepare is not None else {})}
     tail: deque[str] = deque(maxlen=tail_lines)
     log = None
     if log_path is not None:
@@ -197,9 +206,17 @@ def run_streaming(cmd: list[str], env: dict[str, str] | None = None, log_path: s
         # A new session: Ctrl-C in a terminal reaches this process only, which then
         # stops the job in order; the group id is the child's pid.
         proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE if prepare is not None else None,
                                 text=True, bufsize=1, errors="replace", start_new_session=True,
                                 preexec_fn=die_with_parent_preexec() if HAVE_PDEATHSIG else None)
         try:
+            if prepare is not None:
+                prepare()
+                try:
+                    proc.stdin.write(GO + "\n")
+                    proc.stdin.close()
+                except OSError:  # it has already ended: its output and status below say why
+                    pass
             for item in meanwhile:
                 try:
                     item()

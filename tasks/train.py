@@ -37,13 +37,15 @@ from crawl2chat.stages.training.stage import model_damage, script_argv
 def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: int = 1,
                  accelerate_config: str | None = None, on_line: Callable[[str], None] | None = None,
                  env: dict[str, str] | None = None, node: NodeLayout | None = None, cpu_share: int = 1,
-                 meanwhile: Sequence[Callable[[], object]] = ()) -> int:
+                 meanwhile: Sequence[Callable[[], object]] = (), prepare: Callable[[], object] | None = None) -> int:
     """``accelerate launch -m module argv`` with its output streamed to ``OUT/train.log``
     (``OUT/train-node<r>.log`` for machine r > 0 of a job over several); ``cpu_share``: jobs
     training on this machine's cores at the same time (:func:`accelerate_command`). One
     process is started here as accelerate's simple launcher would start it
     (:func:`~crawl2chat.infra.launch.simple_launch`). ``meanwhile``: work done here while
-    the ranks start up (:func:`~crawl2chat.infra.launch.run_streaming`)."""
+    the ranks start up (:func:`~crawl2chat.infra.launch.run_streaming`). ``prepare``: the
+    stage's host preparation; a process started here does it while the rank imports its
+    libraries (:mod:`crawl2chat.stages.start_gate`), a launcher's ranks start after it."""
     import torch
 
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -58,8 +60,11 @@ def launch_stage(module: str, argv: list[str], out: str | Path, num_processes: i
     direct = simple_launch(cmd)
     if direct is not None:  # one process: started here as accelerate's launcher would start it
         cmd, launcher_env = direct
+    elif prepare is not None:
+        prepare()  # torchrun and DeepSpeed's launcher pass no word on to their ranks
+        prepare = None
     return run_streaming(cmd, env={**allocator, **quiet, **(env or {}), **launcher_env}, log_path=Path(out) / log,
-                         on_line=on_line, meanwhile=meanwhile)
+                         on_line=on_line, meanwhile=meanwhile, prepare=prepare)
 
 
 # glibc's malloc, by default, gives freed memory at the top of the heap back to the system and
@@ -108,6 +113,7 @@ def _launch_training(stage, inputs, out, max_steps, config, overrides, num_proce
     Path(out).mkdir(parents=True, exist_ok=True)
     if prepare:
         (Path(out) / FAILURE_FILE).unlink(missing_ok=True)
+    prepare_here = None
     if prepare and spec.prepare_on_host:
         from crawl2chat.stages.training.packing import packs_on_ray
 
@@ -116,12 +122,14 @@ def _launch_training(stage, inputs, out, max_steps, config, overrides, num_proce
             from crawl2chat.infra.ray_runtime import ensure_ray, release_local_ray
 
             ensure_ray()
-        importlib.import_module(spec.module).prepare_on_host(argv)
-        if on_ray:
+            importlib.import_module(spec.module).prepare_on_host(argv)
             release_local_ray()  # the training processes get the cores a local Ray would keep busy
+        else:  # in this process, while the rank starts (launch_stage)
+            def prepare_here():
+                importlib.import_module(spec.module).prepare_on_host(argv)
     try:
         return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node, cpu_share,
-                            meanwhile)
+                            meanwhile, prepare=prepare_here)
     except LaunchError as e:
         failure = read_failure(out) or {"kind": TRANSIENT, "message": f"the training process exited with status "
                                                                       f"{e.returncode} without reporting why"}

@@ -41,6 +41,7 @@ from crawl2chat.stages.lifetime import die_with_parent, exit_now
 from crawl2chat.stages.locks import FolderBusy, acquire
 from crawl2chat.stages.resources import exhaustion
 from crawl2chat.stages.secrets import mask_secrets
+from crawl2chat.stages.start_gate import wait_at_gate
 from crawl2chat.stages.settings import SettingsError, load_settings, parse_overrides
 from crawl2chat.stages.training.failures import (BAD_INPUT, BUSY, DIVERGED, EXHAUSTED, EXIT_CODES, FAILURE_FILE,
                                                   TRANSIENT)
@@ -89,6 +90,10 @@ def _run_main(main: Callable[[list[str]], Any], argv: list[str]) -> int:
     # imported by Accelerate's unwrap in every save_pretrained) find it absent here,
     # which keeps ~2-3 s of imports off every launch.
     sys.modules.setdefault("mlflow", None)
+    if not wait_at_gate():  # started before its data was ready, and the launcher gave up
+        print("error: the launching process ended before this run's data was ready; nothing was written",
+              file=sys.stderr, flush=True)
+        return EXIT_CODES[TRANSIENT]
     out = _out_arg(argv)
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         try:
