@@ -9,7 +9,11 @@ libraries while the launching process prepares, then waits for one line on its s
 ``go`` once the data is written, anything else (end of file when the launcher failed
 or died) to exit without touching its run folder. Measured on 2 cores at the Tiny
 Shakespeare pretraining shape: tokenizer and packing ~5.6 s and the rank's imports
-~6.4-7.6 s one after the other, both done after 6.6-7.8 s side by side.
+~6.4-7.6 s one after the other, both done after 6.6-7.8 s side by side (as two bare
+processes); the whole 20-step ``crawl2chat pretrain`` command, seven alternated pairs on a
+noisy machine: median 23.4 s against 28.3 s without the gate, the fastest 21.6 against
+22.4 s (on two cores the tokenizer's own threads leave the rank little to overlap with
+when nothing else runs; more cores leave it more).
 
 Nothing measured waits at the gate: the peak-FLOP/s measurement and the training loop
 start after ``go``, on cores no longer shared with the preparation.
