@@ -90,7 +90,8 @@ def launch_training(stage: str, inputs: dict[str, str], out: str | Path, max_ste
                     meanwhile: Sequence[Callable[[], object]] = ()) -> int:
     """Run the training stage ``stage`` (see the registry) under ``accelerate launch``;
     a stage that prepares on the host (pretraining's tokenizer and packing, on Ray)
-    does that first. ``nodes`` > 1: over that many machines of the Ray cluster
+    does that first, or, for one process on this machine, while that process imports
+    its libraries (:mod:`crawl2chat.stages.start_gate`). ``nodes`` > 1: over that many machines of the Ray cluster
     (:func:`launch_across_nodes`). ``meanwhile``: work done here while the ranks
     start up, on one machine (:func:`launch_stage`). Raises :class:`StageFailed` with the kind the script
     reported, and :class:`~crawl2chat.stages.locks.FolderBusy` naming the holder's pid
