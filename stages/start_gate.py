@@ -2,8 +2,8 @@
 
 A one-process training run used to start once the launching process had prepared its
 data (pretraining's tokenizer and packed tokens): the rank then spent its first ~5 s
-importing torch's and transformers' model machinery, one core busy and the other idle,
-before it could read that data. Started with ``CRAWL2CHAT_START_GATE`` set
+importing torch's and transformers' model machinery, with the launching process's
+preparation already over, before it could read that data. Started with ``CRAWL2CHAT_START_GATE`` set
 (``infra.launch.run_streaming``'s ``prepare``), the rank instead imports those
 libraries while the launching process prepares, then waits for one line on its stdin:
 ``go`` once the data is written, anything else (end of file when the launcher failed
