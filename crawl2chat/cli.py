@@ -166,10 +166,15 @@ def _open_tracking(cfg) -> None:
 
 
 def _data_step_imports(cfg) -> list:
-    """Importing the data steps' costliest libraries, as work for the wait on the local API."""
+    """Importing the data steps' costliest libraries and warming the extractor up, in the
+    order the steps need them, as work for the wait on the local API."""
+    import functools
+
+    from crawl2chat.stages.data.extract import warm_up
     from crawl2chat.stages.data.pipeline import step_libraries
 
-    return _module_imports(*step_libraries(cfg.data))
+    # The first step's extractor first (its warm-up imports it), then the later steps' libraries.
+    return [functools.partial(warm_up, cfg.data.extract.extractor), *_module_imports(*step_libraries(cfg.data))]
 
 
 def _module_imports(*modules: str) -> list:

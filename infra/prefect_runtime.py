@@ -123,6 +123,12 @@ def start_embedded_api(home: str) -> None:
     # locked" while a busy machine (Ray, a training run) slows the server's own writes.
     if not any(k in env for k in ("PREFECT_SERVER_DATABASE_TIMEOUT", "PREFECT_API_DATABASE_TIMEOUT")):
         env["PREFECT_SERVER_DATABASE_TIMEOUT"] = "60"
+    # No automations: this server lives and dies with the command, and its flow runs send
+    # no heartbeats for them to watch (flow_settings). Prefect's trigger and action services
+    # otherwise start with it and make its first write request build a second API app
+    # (POST /flows/ 0.22 s against 0.05 s); a user's own setting is kept.
+    if not any(k in env for k in ("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED", "PREFECT_API_SERVICES_TRIGGERS_ENABLED")):
+        env["PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED"] = "false"
     with open(log_path, "ab") as log:
         _EmbeddedAPI.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(_prefect_package_dir().parent),

@@ -48,6 +48,26 @@ def test_html_to_text_of_empty_page_is_empty(extractor):
     assert html_to_text("<html><body><script>var x = 1;</script></body></html>", extractor).strip() == ""
 
 
+def test_warm_up_pays_trafilaturas_first_use_costs_in_advance():
+    """The warm-up takes Trafilatura's fallback path once (a fresh process: jusText's
+    stop-word list is built there) and leaves extraction as it was."""
+    import subprocess
+    import sys
+
+    code = ("import trafilatura.external as ex\n"
+            "from crawl2chat.stages.data.extract import html_to_text, warm_up\n"
+            "assert ex.JT_STOPLIST is None\n"
+            "page = '<html><body><article><p>' + 'Words that make a page. ' * 40 + '</p></article></body></html>'\n"
+            "before = html_to_text(page, 'trafilatura')\n"
+            "warm_up('resiliparse')\n"
+            "assert ex.JT_STOPLIST is None  # Resiliparse has nothing to warm\n"
+            "warm_up('trafilatura')\n"
+            "assert ex.JT_STOPLIST, 'the warm-up did not reach the fallback path'\n"
+            "assert html_to_text(page, 'trafilatura') == before\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_html_to_text_rejects_unknown_extractor():
     with pytest.raises(ValueError, match="unknown extractor"):
         html_to_text(PAGE, "lynx")

@@ -19,15 +19,19 @@ COMMAND = textwrap.dedent("""
     configure_prefect_env(sys.argv[1])
     start_embedded_api(sys.argv[1])
     url = os.environ["PREFECT_API_URL"]
-    from prefect import flow
+    from prefect import flow, task
     from prefect.settings import get_current_settings
 
     heartbeats = []
 
+    @task(name="probe-step")
+    def step() -> int:
+        return 7
+
     @flow(name="probe")
     def probe() -> int:
         heartbeats.append(get_current_settings().flows.heartbeat_frequency)  # what the flow engine reads
-        return 7
+        return step()
 
     done = []
     # Work done while the server does not answer yet; one failing item does not stop the rest.
@@ -35,7 +39,10 @@ COMMAND = textwrap.dedent("""
     server = __import__("crawl2chat.infra.prefect_runtime", fromlist=["_EmbeddedAPI"])._EmbeddedAPI.process.pid
     with flow_settings():  # as the CLI runs its flows
         result = probe()
+    import httpx
+    settings = httpx.get(f"{url}/admin/settings").json()  # the server's own settings
     print(json.dumps({"url": url, "result": result, "server": server, "heartbeats": heartbeats,
+                      "triggers": settings["server"]["services"]["triggers"]["enabled"],
                       "server_imported": "prefect.server.api.server" in sys.modules, "meanwhile": done}),
           flush=True)
 """)
@@ -58,6 +65,7 @@ def test_flows_run_against_the_commands_own_server_and_new_folders_start_from_th
     first = run_command(tmp_path / "one", cache)
     assert first["result"] == 7 and first["url"].startswith("http://127.0.0.1:")
     assert first["heartbeats"] == [None]  # no heartbeat thread to wait for at the flow run's end
+    assert first["triggers"] is False  # no automation services on the command's own server
     assert not first["server_imported"]  # the command never loads Prefect's server package
     assert first["meanwhile"] == [True]  # done while the server came up, past a failing item
     assert not psutil.pid_exists(first["server"])  # stopped with the command
@@ -78,8 +86,10 @@ def test_flows_run_against_the_commands_own_server_and_new_folders_start_from_th
     con = sqlite3.connect(tmp_path / "two" / "prefect" / "prefect.db")
     tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
     flows = [r[0] for r in con.execute("select name from flow")]
+    task_runs = [r[0] for r in con.execute("select state_type from task_run")]
     con.close()
     assert "template_mark" in tables and flows == ["probe"]
+    assert task_runs == ["COMPLETED"]  # the task run's events reached the server's recorder before it stopped
     assert list((tmp_path / "two" / "prefect").glob(".prefect.db.tmp-*")) == []
 
 

@@ -116,3 +116,18 @@ def html_to_text(html: str, extractor: Extractor = "resiliparse") -> str:
         )
         return text or ""
     raise ValueError(f"unknown extractor {extractor!r}")
+
+
+# A page whose main content is too short for Trafilatura's own extractor, so it takes the
+# library's fallback path (readability, then jusText) as many real pages do.
+_WARM_UP_PAGE = ("<html><head><title>t</title></head><body><nav><a href='/'>Home</a></nav><article>"
+                 "<p>A short paragraph.</p><p>Another line.</p></article><footer>(c)</footer></body></html>")
+
+
+def warm_up(extractor: Extractor) -> None:
+    """Pay an extractor's one-off costs now: Trafilatura compiles patterns and builds
+    jusText's all-language stop-word list on first use (~0.15-0.3 s a process, paid by
+    whichever page first takes its fallback path); a command does this while it waits
+    for its Prefect API, an extract worker before it takes any file. Resiliparse has none."""
+    if extractor == "trafilatura":
+        html_to_text(_WARM_UP_PAGE, extractor)

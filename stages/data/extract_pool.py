@@ -194,9 +194,9 @@ def _worker() -> None:
     job = json.loads(sys.stdin.readline())
     cfg = ExtractConfig.model_validate(job["extract"])
     from crawl2chat.stages.data import pipeline  # noqa: F401 - imported before it says it is ready
+    from crawl2chat.stages.data.extract import warm_up
 
-    if cfg.extractor == "trafilatura":
-        import trafilatura  # noqa: F401
+    warm_up(cfg.extractor)  # ready once warm: until then the queue's groups go to processes already extracting
     print("ready", file=talk, flush=True)
     for line in sys.stdin:
         group = json.loads(line)
