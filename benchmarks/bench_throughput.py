@@ -13,8 +13,13 @@ After the per-step run, the whole ``crawl2chat data`` command runs over the same
 with the same step settings, in a fresh project folder, as a user runs it: start-up,
 Prefect's flow and task runs, MLflow's records, the steps, balancing, the dataset
 version and its review sample; its wall time is set against datatrove's whole run
-(``--steps-only`` skips it). Last, per input file, the documents each side got out of
-extraction (the two WARC readers keep different records).
+(``--steps-only`` skips it). The first such command on a machine also builds the
+Prefect and MLflow database templates every later project folder starts from (a one-off
+~4-9 s), so one untimed command runs first. ``--against-server`` times the whole command
+a second time against a ``prefect server start`` the benchmark keeps running on
+127.0.0.1 (``PREFECT_API_URL``, as for a user with the Prefect UI open or a scheduled
+refresh): the command then starts no API of its own. Last, per input file, the
+documents each side got out of extraction (the two WARC readers keep different records).
 
     /work/main/.venv/bin/python benchmarks/bench_throughput.py                # 1x, 4x, 16x
     /work/main/.venv/bin/python benchmarks/bench_throughput.py --scales 1,4   # quicker
@@ -394,6 +399,19 @@ def whole_command(files: list[str], folder: Path, extractor: str, engine: str, l
     return {"wall_total": wall, "peak_rss": sampler.peak(), "final_kept": manifest["documents_kept"]}
 
 
+def start_server(root: Path, env: dict) -> tuple[subprocess.Popen, dict]:
+    """``prefect server start`` on 127.0.0.1 with its database under ``root``, kept running for
+    the whole commands timed against it; returns the process and their environment."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from live_services import start_prefect_server
+
+    home = root / "prefect-server"
+    home.mkdir(parents=True, exist_ok=True)
+    proc, api = start_prefect_server(dict(env, PREFECT_HOME=str(home), PREFECT_UI_ENABLED="false"), root)
+    print(f"Prefect server for --against-server: {api}", flush=True)
+    return proc, dict(env, PREFECT_API_URL=api)
+
+
 def crawl2chat_side(args: argparse.Namespace) -> None:
     t_import = time.time()
     from crawl2chat.stages.settings import load_config
@@ -570,7 +588,7 @@ def _mb(b: float) -> float:
 
 
 def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int, n_files: int,
-                command: dict | None = None) -> None:
+                command: dict | None = None, command_server: dict | None = None) -> None:
     print(f"\n=== scale {scale}x: {n_files} WARC files, {_mb(corpus_bytes):.1f} MB gzipped ===")
     hdr = f"{'step':<9}{'side':<11}{'docs':>7}{'kept':>7}{'wall s':>9}{'docs/s':>9}{'MB/s':>8}{'peak RSS MB':>13}"
     print(hdr)
@@ -608,6 +626,11 @@ def print_scale(scale: int, c2c: dict | None, dt: dict | None, corpus_bytes: int
               f"peak RSS {_mb(command['peak_rss']):.0f} MB (start-up, Prefect flow and task runs, MLflow records, "
               "the steps above, balancing, the dataset version and its review)"
               + (f"; datatrove's whole run {dt['wall_total']:.2f} s: x{command['wall_total'] / dt['wall_total']:.2f}"
+                 if dt else ""))
+    if command_server:
+        print(f"whole command against a running Prefect server: crawl2chat data {command_server['wall_total']:.2f} s, "
+              f"peak RSS {_mb(command_server['peak_rss']):.0f} MB"
+              + (f"; datatrove's whole run {dt['wall_total']:.2f} s: x{command_server['wall_total'] / dt['wall_total']:.2f}"
                  if dt else ""))
 
 
@@ -678,6 +701,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--json", default=None, help="also write all figures to this JSON file")
     ap.add_argument("--retries", type=int, default=1, help="rerun a side that fails this many times")
+    ap.add_argument("--against-server", action="store_true",
+                    help="also time the whole command against a running Prefect server on 127.0.0.1")
     ap.add_argument("--steps-only", action="store_true",
                     help="skip timing the whole `crawl2chat data` command (start-up, Prefect, MLflow, versions)")
     # internal: one side's run
@@ -727,7 +752,10 @@ def main() -> None:
         print(f"datatrove {v.stdout.split()[0] if v.returncode == 0 else '?'}, trafilatura "
               f"{v.stdout.split()[-1] if v.returncode == 0 else '?'} in {args.bench_python}")
     results: dict[int, dict] = {}
+    server = None
     try:
+        if args.against_server and "crawl2chat" in sides and not args.steps_only:
+            server, server_env = start_server(root, env)
         for scale in scales:
             corpus = build_corpus(inputs, scale, root, args.distinct_payloads)
             files = corpus_files(corpus)
@@ -750,6 +778,11 @@ def main() -> None:
                 if side in results[scale]:
                     print(f"  [{scale}x] {side}: {results[scale][side]['wall_total']:.1f}s", flush=True)
             if "crawl2chat" in sides and not args.steps_only:
+                if scale == scales[0]:
+                    warm = whole_command(files, root / "command-first", args.extractor, args.engine,
+                                         root / "command-first.log", env)
+                    print(f"  [{scale}x] crawl2chat data, first command on this machine (untimed warm-up): "
+                          f"{warm['wall_total']:.1f}s", flush=True)
                 try:
                     results[scale]["command"] = whole_command(files, root / f"command-{scale}x", args.extractor,
                                                               args.engine, root / f"command-{scale}x.log", env)
@@ -757,13 +790,23 @@ def main() -> None:
                           f"{results[scale]['command']['wall_total']:.1f}s", flush=True)
                 except RuntimeError as e:
                     print(f"  [{scale}x] crawl2chat data FAILED: {str(e).strip().splitlines()[0]}", flush=True)
+                if server is not None:
+                    results[scale]["command_server"] = whole_command(
+                        files, root / f"command-server-{scale}x", args.extractor, args.engine,
+                        root / f"command-server-{scale}x.log", server_env)
+                    print(f"  [{scale}x] crawl2chat data against the running Prefect server: "
+                          f"{results[scale]['command_server']['wall_total']:.1f}s", flush=True)
             print_scale(scale, results[scale].get("crawl2chat"), results[scale].get("datatrove"),
-                        corpus_bytes, len(files), results[scale].get("command"))
+                        corpus_bytes, len(files), results[scale].get("command"), results[scale].get("command_server"))
             sys.stdout.flush()
         print_growth(results)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2, default=str))
     finally:
+        if server is not None:
+            from live_services import stop_group
+
+            stop_group(server)
         if not args.keep and not args.work_dir:
             shutil.rmtree(root, ignore_errors=True)
 

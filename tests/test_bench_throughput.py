@@ -1,5 +1,6 @@
-"""The data benchmark's per-input-file accounting: crawl2chat's extract step over corpus copies,
-summed back to the input file each copy was made from."""
+"""The data benchmark's parts: per-input-file accounting (crawl2chat's extract step over corpus
+copies, summed back to the input file each copy was made from), the whole command's settings, and
+the whole command against a running Prefect server."""
 
 from __future__ import annotations
 
@@ -63,3 +64,28 @@ def test_the_whole_command_gets_the_per_step_settings(bench, extractor):
     assert from_flags == direct
     assert from_flags.extract.extractor == extractor and from_flags.langid.languages is None
     assert not from_flags.quality.c4.enabled and from_flags.quality.gopher_quality.enabled
+
+
+def test_against_server_the_whole_command_reports_to_the_running_server(bench, shared_data, tmp_path):
+    """``--against-server``: the whole command records its flow run on the Prefect server the
+    benchmark keeps running, and starts no API server (no database) of its own."""
+    import os
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from live_services import api_call, stop_group
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_HOME"))}
+    server, server_env = bench.start_server(tmp_path, env)
+    try:
+        api = server_env["PREFECT_API_URL"]
+        assert api.startswith("http://127.0.0.1:")
+        files = [str(shared_data / "warc/resiliparse/warcfile.warc.gz")]
+        result = bench.whole_command(files, tmp_path / "command", "resiliparse", "auto",
+                                     tmp_path / "command.log", server_env)
+        assert result["final_kept"] > 0 and result["wall_total"] > 0
+        runs = api_call(api, "POST", "/flow_runs/filter", {})
+        assert [r["state_type"] for r in runs] == ["COMPLETED"]  # the data flow's run
+        assert not list((tmp_path / "command").rglob("prefect.db"))  # no server of its own
+    finally:
+        stop_group(server)
+    assert server.poll() is not None
