@@ -89,3 +89,37 @@ def test_against_server_the_whole_command_reports_to_the_running_server(bench, s
     finally:
         stop_group(server)
     assert server.poll() is not None
+
+
+def test_the_benchmarks_prefect_server_dies_with_the_benchmark(tmp_path):
+    """A benchmark killed with SIGKILL (no ``finally`` runs) takes its Prefect server with it."""
+    import os
+    import subprocess
+    import time
+
+    code = (f"import importlib.util, os, signal, sys\n"
+            f"spec = importlib.util.spec_from_file_location('b', {str(BENCH)!r})\n"
+            f"b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b)\n"
+            f"from pathlib import Path\n"
+            f"proc, env = b.start_server(Path({str(tmp_path)!r}), dict(os.environ))\n"
+            f"print(proc.pid, flush=True)\n"
+            f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_HOME"))}
+    bench = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert bench.returncode == -9, bench.stderr[-2000:]
+    server_pid = int(bench.stdout.split()[-1])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            break
+        try:  # a zombie that init has not reaped yet is gone too
+            if open(f"/proc/{server_pid}/stat").read().split(")")[-1].split()[0] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(server_pid, 9)
+        raise AssertionError(f"the Prefect server (pid {server_pid}) outlived the benchmark")
