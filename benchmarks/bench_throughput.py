@@ -793,12 +793,12 @@ def main() -> None:
                 if side in results[scale]:
                     print(f"  [{scale}x] {side}: {results[scale][side]['wall_total']:.1f}s", flush=True)
             if "crawl2chat" in sides and not args.steps_only:
-                if scale == scales[0]:
-                    warm = whole_command(files, root / "command-first", args.extractor, args.engine,
-                                         root / "command-first.log", env)
-                    print(f"  [{scale}x] crawl2chat data, first command on this machine (untimed warm-up): "
-                          f"{warm['wall_total']:.1f}s", flush=True)
                 try:
+                    if scale == scales[0]:
+                        warm = whole_command(files, root / "command-first", args.extractor, args.engine,
+                                             root / "command-first.log", env)
+                        print(f"  [{scale}x] crawl2chat data, first command on this machine (untimed warm-up): "
+                              f"{warm['wall_total']:.1f}s", flush=True)
                     results[scale]["command"] = whole_command(files, root / f"command-{scale}x", args.extractor,
                                                               args.engine, root / f"command-{scale}x.log", env)
                     print(f"  [{scale}x] crawl2chat data (the whole command): "
@@ -806,11 +806,15 @@ def main() -> None:
                 except RuntimeError as e:
                     print(f"  [{scale}x] crawl2chat data FAILED: {str(e).strip().splitlines()[0]}", flush=True)
                 if server is not None:
-                    results[scale]["command_server"] = whole_command(
-                        files, root / f"command-server-{scale}x", args.extractor, args.engine,
-                        root / f"command-server-{scale}x.log", server_env)
-                    print(f"  [{scale}x] crawl2chat data against the running Prefect server: "
-                          f"{results[scale]['command_server']['wall_total']:.1f}s", flush=True)
+                    try:
+                        results[scale]["command_server"] = whole_command(
+                            files, root / f"command-server-{scale}x", args.extractor, args.engine,
+                            root / f"command-server-{scale}x.log", server_env)
+                        print(f"  [{scale}x] crawl2chat data against the running Prefect server: "
+                              f"{results[scale]['command_server']['wall_total']:.1f}s", flush=True)
+                    except RuntimeError as e:
+                        print(f"  [{scale}x] crawl2chat data against the server FAILED: "
+                              f"{str(e).strip().splitlines()[0]}", flush=True)
             print_scale(scale, results[scale].get("crawl2chat"), results[scale].get("datatrove"),
                         corpus_bytes, len(files), results[scale].get("command"), results[scale].get("command_server"))
             sys.stdout.flush()
