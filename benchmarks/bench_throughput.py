@@ -404,25 +404,13 @@ def start_server(root: Path, env: dict) -> tuple[subprocess.Popen, dict]:
     the whole commands timed against it; returns the process and their environment. The server
     runs in a session of its own (stopped whole by ``stop_group``) and dies with the benchmark."""
     sys.path.insert(0, str(REPO / "tests"))
-    from live_services import free_port, stop_group, wait_http
-
-    from crawl2chat.stages.lifetime import die_with_parent_preexec
+    from live_services import start_prefect_server
 
     home = root / "prefect-server"
     home.mkdir(parents=True, exist_ok=True)
-    port, log = free_port(), root / "prefect-server.log"
-    server_env = dict(env, PREFECT_HOME=str(home), PREFECT_UI_ENABLED="false", PREFECT_SERVER_DATABASE_TIMEOUT="60")
-    server_env.pop("PREFECT_API_URL", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                 "--port", str(port)], env=server_env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=die_with_parent_preexec())
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        wait_http(f"{api}/health", 240, proc, log)
-    except BaseException:
-        stop_group(proc)
-        raise
+    server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    proc, api = start_prefect_server(dict(server_env, PREFECT_HOME=str(home), PREFECT_UI_ENABLED="false"), root,
+                                     die_with_parent=True)
     print(f"Prefect server for --against-server: {api}", flush=True)
     return proc, dict(env, PREFECT_API_URL=api)
 

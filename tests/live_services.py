@@ -70,12 +70,19 @@ def stop_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
         pass
 
 
-def start_service(cmd: list[str], env: dict[str, str], log: Path, cwd: Path | str | None = None) -> subprocess.Popen:
-    """``cmd`` in a session of its own, stdout and stderr to ``log``."""
+def start_service(cmd: list[str], env: dict[str, str], log: Path, cwd: Path | str | None = None,
+                  die_with_parent: bool = False) -> subprocess.Popen:
+    """``cmd`` in a session of its own, stdout and stderr to ``log``; with ``die_with_parent``
+    it is killed when the calling thread dies (a benchmark's service, which no test sweep follows)."""
+    preexec = None
+    if die_with_parent:
+        from crawl2chat.stages.lifetime import die_with_parent_preexec
+
+        preexec = die_with_parent_preexec()
     out = open(log, "w")
     try:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=preexec)
     finally:
         out.close()  # the child holds its own copy
 
@@ -86,7 +93,7 @@ def prefect_command(*args: str) -> list[str]:
 
 
 def start_prefect_server(env: dict[str, str], logs: Path, cwd: Path | str | None = None,
-                         timeout: float = 240.0) -> tuple[subprocess.Popen, str]:
+                         timeout: float = 240.0, die_with_parent: bool = False) -> tuple[subprocess.Popen, str]:
     """``prefect server start`` on a free port of 127.0.0.1; returns the process and its API URL."""
     port = free_port()
     log = logs / "prefect-server.log"
@@ -94,7 +101,7 @@ def start_prefect_server(env: dict[str, str], logs: Path, cwd: Path | str | None
     # locked" on a loaded 2-core machine), as the project's embedded server does.
     env = {"PREFECT_SERVER_DATABASE_TIMEOUT": "60", **env}
     proc = start_service(prefect_command("server", "start", "--host", "127.0.0.1", "--port", str(port)),
-                         env, log, cwd)
+                         env, log, cwd, die_with_parent)
     api = f"http://127.0.0.1:{port}/api"
     try:
         wait_http(f"{api}/health", timeout, proc, log)
