@@ -65,13 +65,14 @@ def _sha(paths) -> list[str]:
 def test_both_engines_build_the_same_version(shared_data, ray_local, tmp_path):
     """Real WARC files (English, Chinese, Japanese, a truncated and a malformed file): every step
     folder holds the same rows on both engines, and the versions have byte-identical shards.
-    Then a second build over more files, deduplicated against the first version's index and
-    shards, gives the same decisions on both engines too."""
+    Shards of ``data.shard_bytes`` are cut the same on both. Then a second build over more
+    files, deduplicated against the first version's index and shards, gives the same decisions
+    on both engines too."""
     files = _inputs(shared_data)
     built = {}
     for engine in (RAY, LOCAL):
         out = tmp_path / engine
-        cfg = load_config(overrides={"data.out": str(out)})
+        cfg = load_config(overrides={"data.out": str(out), "data.shard_bytes": 20_000})
         built[engine] = _build(cfg, files, out, engine)
     (ray_steps, ray_manifest), (local_steps, local_manifest) = built[RAY], built[LOCAL]
     assert ray_manifest["documents_kept"] > 10 and ray_manifest["documents_dropped"] > 0
@@ -82,6 +83,8 @@ def test_both_engines_build_the_same_version(shared_data, ray_local, tmp_path):
     assert local_manifest["content_digest"] == ray_manifest["content_digest"]
     assert local_manifest["drop_reasons"] == ray_manifest["drop_reasons"]
     assert _sha((tmp_path / LOCAL / "shards").glob("*.parquet")) == _sha((tmp_path / RAY / "shards").glob("*.parquet"))
+    bytes_kept = local_steps[-1].bytes_in
+    assert len(local_manifest["shards"]) == -(-bytes_kept // 20_000) > 1
     quarantine = {e: sorted(tuple(r.values()) for r in pq.read_table(
         sorted((tmp_path / e / "rejected").glob("*.parquet")), columns=["id", "reason"]).to_pylist())
         for e in (RAY, LOCAL)}

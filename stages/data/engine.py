@@ -205,10 +205,15 @@ def _concat(tables: Iterable[pa.Table]) -> pa.Table | None:
 class LocalDataset:
     """An in-process dataset of Arrow tables (its *blocks*) with the Ray Data
     operations the data steps use. Every operation runs when called and returns
-    a new dataset; ``materialize`` is therefore a no-op."""
+    a new dataset; ``materialize`` is therefore a no-op.
 
-    def __init__(self, blocks: list[pa.Table]):
+    ``cut``: the blocks are a ``repartition``'s exact cuts, which, as on Ray Data,
+    are written one file each (a version's shards of ``data.shard_bytes``); whole-block
+    ``map_batches`` keep them."""
+
+    def __init__(self, blocks: list[pa.Table], cut: bool = False):
         self.blocks = blocks
+        self.cut = cut
 
     # -- transformations
 
@@ -219,19 +224,22 @@ class LocalDataset:
         whole blocks); a class is built once with ``fn_constructor_args``. ``compute`` and
         other scheduling options of Ray have nothing to place here."""
         call = fn(*fn_constructor_args) if isinstance(fn, type) else fn
+        whole_blocks = not isinstance(batch_size, int)
         out: list[pa.Table] = []
         for block in self.blocks:
             if block.num_rows == 0:
                 continue
-            step = batch_size if isinstance(batch_size, int) else block.num_rows
+            step = block.num_rows if whole_blocks else batch_size
             for start in range(0, block.num_rows, step):
                 batch = block.slice(start, step)
                 if batch_format == "numpy":
                     batch = {name: batch[name].to_numpy(zero_copy_only=False) for name in batch.column_names}
                 elif batch_format == "pandas":
                     batch = batch.to_pandas()
-                out += _outputs(call(batch, **(fn_kwargs or {})))
-        return LocalDataset(out)
+                outputs = list(_outputs(call(batch, **(fn_kwargs or {}))))
+                # A block's outputs stay one block where the blocks are cuts to be written a file each.
+                out += [_concat(outputs)] if self.cut and whole_blocks and outputs else outputs
+        return LocalDataset(out, cut=self.cut and whole_blocks)
 
     def groupby(self, key: str, num_partitions: int | None = None) -> "_LocalGroups":  # noqa: ARG002 - Ray's shuffle width
         return _LocalGroups(self, key)
@@ -252,7 +260,7 @@ class LocalDataset:
         if table is None:
             return LocalDataset([])
         rows = target_num_rows_per_block or -(-table.num_rows // max(num_blocks or 1, 1))
-        return LocalDataset([table.slice(i, rows) for i in range(0, table.num_rows, max(rows, 1))])
+        return LocalDataset([table.slice(i, rows) for i in range(0, table.num_rows, max(rows, 1))], cut=True)
 
     def materialize(self) -> "LocalDataset":
         return self
@@ -269,8 +277,9 @@ class LocalDataset:
         return next((b.schema for b in self.blocks), None)
 
     def write_parquet(self, path: str, compression: str = "snappy") -> None:
-        """The non-empty blocks in order, consecutive ones together in files of up to
-        ``WRITE_FILE_BYTES`` of Arrow data; a dataset without rows writes none. The local
+        """The non-empty blocks in order: a ``repartition``'s cuts one file each, as Ray Data
+        writes them; other blocks, consecutive ones together in files of up to
+        ``WRITE_FILE_BYTES`` of Arrow data. A dataset without rows writes none. The local
         engine's blocks are often many small ones (dedup's groups by shard gave 35 files
         for 47 documents), and every later read of the folder pays per file (~1 ms to
         open one with pyarrow, more through a dataset)."""
@@ -281,7 +290,7 @@ class LocalDataset:
         for block in self.blocks:
             if not block.num_rows:
                 continue
-            if not files or size + block.nbytes > WRITE_FILE_BYTES:
+            if not files or self.cut or size + block.nbytes > WRITE_FILE_BYTES:
                 files.append([])
                 size = 0
             files[-1].append(block)
