@@ -66,14 +66,20 @@ RUN_TRACES = "logs/flow-runs.log"  # under the project folder (home): every flow
 
 
 class RunTraceFilter(logging.Filter):
-    """For a terminal handler: holds back the traceback Prefect logs when a flow or task
-    run fails (an ERROR record with ``exc_info``). The command's last line says what
-    failed in one sentence; the trace stays in the run's logs (Prefect's API, the UI)
-    and in ``HOME/logs/flow-runs.log``."""
+    """For a terminal handler: holds back what Prefect logs when a flow or task run fails
+    (the traceback, an ERROR record with ``exc_info``, and the "Finished in state Failed"
+    line repeating the error). The command's last line says what failed in one sentence;
+    both stay in the run's logs (Prefect's API, the UI) and in ``HOME/logs/flow-runs.log``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return verbose() or not (record.exc_info and record.name.startswith(("prefect.flow_runs",
-                                                                              "prefect.task_runs")))
+        if verbose() or not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        if record.exc_info:
+            return False
+        try:
+            return not (record.levelno >= logging.ERROR and record.getMessage().startswith("Finished in state Failed"))
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted is shown as it is
+            return True
 
 
 def keep_run_traces(home: str | os.PathLike) -> str:

@@ -24,9 +24,10 @@ from crawl2chat.infra.records import log_record, plot_bars
 from crawl2chat.infra.tracking import stage_run
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data import pipeline as steps
-from crawl2chat.stages.data.pipeline import StepResult
-from crawl2chat.stages.data.versions import VERSIONS_DIR, VersionPlan, plan_version
+from crawl2chat.stages.data.pipeline import NothingUsableError, StepResult
+from crawl2chat.stages.data.versions import VERSIONS_DIR, DamagedDataError, VersionPlan, plan_version
 from crawl2chat.stages.resources import exhaustion
+from crawl2chat.stages.settings import SettingsError
 from crawl2chat.infra.mlflow_datasets import dataset_entity
 
 
@@ -160,12 +161,20 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]
     return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
 
 
-def retry_unless_exhausted(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
-    """Retry a data step once, unless it ran out of disk space, a file size limit or
-    memory (:func:`~crawl2chat.stages.resources.exhaustion`): that fails again until
-    someone frees it."""
+# A step's errors that its retry would meet again: the input or settings are wrong, the
+# folder is damaged, nothing usable is left.
+LASTING_ERRORS = (NothingUsableError, DamagedDataError, SettingsError, FileNotFoundError, NotADirectoryError,
+                  IsADirectoryError, PermissionError)
+
+
+def retry_unless_lasting(task, task_run, state) -> bool:  # noqa: ARG001 - Prefect's retry_condition_fn signature
+    """Retry a data step once, unless its error lasts (:data:`LASTING_ERRORS`) or it ran out
+    of disk space, a file size limit or memory (:func:`~crawl2chat.stages.resources.exhaustion`):
+    those fail again until someone fixes or frees something."""
     try:
         state.result()
+    except LASTING_ERRORS:
+        return False
     except BaseException as e:  # noqa: BLE001 - the step's own error decides
         return exhaustion(e) is None
     return False
@@ -173,7 +182,7 @@ def retry_unless_exhausted(task, task_run, state) -> bool:  # noqa: ARG001 - Pre
 
 def _step_task(name: str):
     def decorate(fn):
-        return task(name=name, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_exhausted,
+        return task(name=name, retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_lasting,
                     cache_policy=NO_CACHE)(fn)
 
     return decorate

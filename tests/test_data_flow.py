@@ -51,6 +51,38 @@ def test_a_missing_input_ends_in_one_sentence_with_the_trace_in_the_log(tmp_path
 
 
 @pytest.mark.slow
+def test_a_build_that_keeps_nothing_commits_nothing(shared_data, tmp_path):
+    """A build whose only input is not a WARC file fails in one sentence naming the file and
+    its error; the folder's current version stays current (a reader of manifest.json still
+    finds its documents) and the failed build's manifest waits under failed/."""
+    import json
+
+    good = shared_data / "warc" / "dolma" / "sample-0000.warc.gz"
+    bad = tmp_path / "random.warc.gz"
+    bad.write_bytes(bytes(range(256)) * 20)
+    out = tmp_path / "out"
+    first = subprocess.run(CLI + ["data", "--input", str(good), "--out", str(out)], cwd=tmp_path,
+                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = json.loads((out / "manifest.json").read_text())
+    assert before["version"] == "v0001" and before["documents_kept"] > 0
+
+    proc = subprocess.run(CLI + ["data", "--input", str(bad), "--out", str(out)], cwd=tmp_path,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    terminal = (proc.stdout + proc.stderr).strip().splitlines()
+    assert not any("Finished in state" in line or "Traceback" in line for line in terminal), terminal
+    assert terminal[-1].startswith("error: No document could be read from the input (random.warc.gz: ")
+    assert "nothing was committed (v0001 stays the current version)" in terminal[-1]
+    assert json.loads((out / "manifest.json").read_text()) == before
+    assert sorted(p.name for p in (out / "versions").iterdir()) == ["v0001"]
+    failed = sorted((out / "failed").iterdir())
+    assert len(failed) == 1 and str(failed[0]) in terminal[-1]
+    record = json.loads((failed[0] / "manifest.json").read_text())
+    assert record["documents_kept"] == 0 and [f["ok"] for f in record["unreadable_files"]] == [False]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["auto", "ray"])
 def test_cli_runs_the_flow_and_records_every_step(shared_data, tmp_path, engine):
     """The default (``auto``: two small files, built in the flow's process) and Ray Data."""

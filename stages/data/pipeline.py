@@ -46,6 +46,7 @@ from crawl2chat.stages.data.versions import (
     VersionPlan,
     content_digest,
     file_identity,
+    read_manifest,
     sha256_file,
     superseded_ids,
     write_json_atomically,
@@ -724,6 +725,9 @@ def write_dataset(
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         (version_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        if manifest["documents_kept"] == 0:  # nothing to read: the current version stays current
+            failed = _keep_failed_build(out, version, version_dir, new_rejected)
+            raise NothingUsableError(_nothing_left_sentence(manifest, read_manifest(out), failed))
         kill_point("write:staged")
         for name, new_files in (("shards", new_shards), ("rejected", new_rejected)):
             target = out / name
@@ -746,9 +750,24 @@ def write_dataset(
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if manifest["documents_kept"] == 0:
-        raise NothingUsableError(_nothing_left_sentence(manifest))
     return manifest
+
+
+FAILED_DIR = "failed"  # builds that kept no document: their manifest and quarantine, never current
+
+
+def _keep_failed_build(out: Path, version: str, version_dir: Path, rejected: Sequence[Path]) -> Path:
+    """Move a build that kept nothing (its manifest: each file's error, the drop counts;
+    its quarantine) to ``OUT/failed/VERSION-TIME/`` instead of committing it."""
+    target = out / FAILED_DIR / f"{version}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(version_dir, target)
+    if rejected:
+        (target / "rejected").mkdir()
+        for f in rejected:
+            os.replace(f, target / "rejected" / f.name)
+    return target
 
 
 def _superseded_rows(out: Path, base: dict[str, Any], new_shards: Sequence[Path]) -> pa.Table:
@@ -769,11 +788,26 @@ def _superseded_rows(out: Path, base: dict[str, Any], new_shards: Sequence[Path]
     return old.select(["id", "url"])
 
 
-def _nothing_left_sentence(manifest: dict[str, Any]) -> str:
-    if manifest["files"] and not any(f["records"] for f in manifest["files"]):
-        return "No document could be read from the input files; see manifest.json for each file's error."
-    top = ", ".join(f"{r} ({n})" for r, n in Counter(manifest["drop_reasons"]).most_common(3))
-    return f"Every document was dropped (top reasons: {top or 'none'}); see manifest.json and rejected/."
+def _nothing_left_sentence(manifest: dict[str, Any], current: dict[str, Any] | None, failed: Path) -> str:
+    """One sentence: what left nothing (each unreadable file and its error, or the top drop
+    reasons), that nothing was committed, and where the build's record is."""
+    files = manifest["files"]
+    if files and not any(f["records"] for f in files):
+        named = "; ".join(f"{Path(f['path']).name}: {_first_line(f.get('error')) or 'no records'}" for f in files[:3])
+        more = f"; and {len(files) - 3} more" if len(files) > 3 else ""
+        what = f"No document could be read from the input ({named}{more})"
+    else:
+        top = ", ".join(f"{r} ({n})" for r, n in Counter(manifest["drop_reasons"]).most_common(3))
+        what = f"Every document was dropped (top reasons: {top or 'none'})"
+    kept = (f"{current['version']} stays the current version" if current and current.get("version")
+            else "no version was made")
+    return f"{what}; nothing was committed ({kept}), and this build's manifest and quarantine are in {failed}."
+
+
+def _first_line(text: str | None, limit: int = 120) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    line = line.split(", first line: ")[0]  # warcio quotes the file's first bytes: noise on a terminal
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _rejected_rows(batch: pa.Table) -> pa.Table:

@@ -20,9 +20,10 @@ from prefect.states import Failed
 
 from crawl2chat.infra.fault_drill import PRETRAIN_STEPS, pretrain_spec
 from crawl2chat.stages.checksums import folder_damage
+from crawl2chat.stages.data.pipeline import NothingUsableError
 from crawl2chat.stages.data.versions import iter_documents, read_manifest, shard_damage
 from crawl2chat.stages.training.failures import EXHAUSTED
-from crawl2chat.tasks.data import retry_unless_exhausted
+from crawl2chat.tasks.data import retry_unless_lasting
 from crawl2chat.tasks.train import StageFailed, retry_transient
 
 pytestmark = pytest.mark.timeout(600)
@@ -106,10 +107,10 @@ DATA_BUILD = textwrap.dedent("""
     except BaseException as e:
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         from crawl2chat.stages.resources import exhaustion
-        from crawl2chat.tasks.data import retry_unless_exhausted
+        from crawl2chat.tasks.data import retry_unless_lasting
         from prefect.states import Failed
         print("EXHAUSTION:", exhaustion(e))
-        print("RETRY:", retry_unless_exhausted(None, None, Failed(data=e)))
+        print("RETRY:", retry_unless_lasting(None, None, Failed(data=e)))
         raise
 """)
 
@@ -133,5 +134,7 @@ def test_data_version_over_the_file_size_limit_keeps_the_current_version(tmp_pat
     assert len(list(iter_documents(out, ["id", "text"]))) == manifest["documents_kept"] == 4
     assert not (out / "versions" / "v0002").exists()
     assert not list((out / "shards").glob("v0002-*"))
-    assert retry_unless_exhausted(None, None, Failed(data=OSError(28, "No space left on device"))) is False
-    assert retry_unless_exhausted(None, None, Failed(data=ConnectionError("peer gone"))) is True
+    assert retry_unless_lasting(None, None, Failed(data=OSError(28, "No space left on device"))) is False
+    assert retry_unless_lasting(None, None, Failed(data=ConnectionError("peer gone"))) is True
+    for lasting in (NothingUsableError("Every document was dropped."), FileNotFoundError(2, "gone", "x.warc.gz")):
+        assert retry_unless_lasting(None, None, Failed(data=lasting)) is False
