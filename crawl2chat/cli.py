@@ -111,11 +111,22 @@ def data(
     out_dir = Path(cfg.data.out).resolve()
     typer.echo(
         f"\n{manifest['version']}: {manifest['documents_kept']} documents ({manifest['version_documents_kept']} new), "
-        f"{manifest['documents_dropped']} dropped.\n"
+        f"{manifest['documents_dropped']} dropped.\n{_unreadable_line(manifest, '  ')}"
         f"  shards:   {out_dir / 'shards'}\n  rejected: {out_dir / 'rejected'}\n"
         f"  manifest: {out_dir / 'manifest.json'}\n  review:   {out_dir / 'review.md'}\n"
         f"  MLflow:   {_mlflow_hint(cfg)}"
     )
+
+
+def _unreadable_line(manifest: dict, indent: str) -> str:
+    """The summary's line on the input files this build could not read (what they held
+    before the error is kept), or nothing when it read them all."""
+    from crawl2chat.stages.data.pipeline import input_problems
+
+    bad = manifest.get("unreadable_files") or []
+    if not bad:
+        return ""
+    return f"{indent}unreadable: {len(bad)} of {len(manifest['files'])} input files, see manifest.json ({input_problems(bad)})\n"
 
 
 def _mlflow_hint(cfg) -> str:
@@ -297,6 +308,7 @@ def run(
     data_out = Path(result["data"])
     lines = [
         f"\nDone. {manifest['documents_kept']} documents kept, {manifest['documents_dropped']} dropped.",
+        *filter(None, [_unreadable_line(manifest, "  ").rstrip("\n")]),
         f"  dataset:      {data_out / 'manifest.json'}  (version {manifest['version']}, {len(manifest['shards'])} shards"
         f" in {data_out / 'shards'}; review.md, rejected/ beside it)",
         f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f} on held-out split "

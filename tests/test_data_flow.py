@@ -52,8 +52,8 @@ def test_a_missing_input_ends_in_one_sentence_with_the_trace_in_the_log(tmp_path
 
 @pytest.mark.slow
 def test_a_build_that_keeps_nothing_commits_nothing(shared_data, tmp_path):
-    """A build whose only input is not a WARC file fails in one sentence naming the file and
-    its error; the folder's current version stays current (a reader of manifest.json still
+    """A file that is not a WARC file beside a good one is named in the summary. A build whose
+    only input is that file fails in one sentence naming the file and its error; the folder's current version stays current (a reader of manifest.json still
     finds its documents) and the failed build's manifest waits under failed/."""
     import json
 
@@ -61,9 +61,11 @@ def test_a_build_that_keeps_nothing_commits_nothing(shared_data, tmp_path):
     bad = tmp_path / "random.warc.gz"
     bad.write_bytes(bytes(range(256)) * 20)
     out = tmp_path / "out"
-    first = subprocess.run(CLI + ["data", "--input", str(good), "--out", str(out)], cwd=tmp_path,
+    first = subprocess.run(CLI + ["data", "--input", str(good), "--input", str(bad), "--out", str(out)], cwd=tmp_path,
                            env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
+    # The good file's documents are kept; the summary names the file it could not read.
+    assert "  unreadable: 1 of 2 input files, see manifest.json (random.warc.gz: ArchiveLoadFailed" in first.stdout
     before = json.loads((out / "manifest.json").read_text())
     assert before["version"] == "v0001" and before["documents_kept"] > 0
 

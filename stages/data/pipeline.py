@@ -793,15 +793,19 @@ def _nothing_left_sentence(manifest: dict[str, Any], current: dict[str, Any] | N
     reasons), that nothing was committed, and where the build's record is."""
     files = manifest["files"]
     if files and not any(f["records"] for f in files):
-        named = "; ".join(f"{Path(f['path']).name}: {_first_line(f.get('error')) or 'no records'}" for f in files[:3])
-        more = f"; and {len(files) - 3} more" if len(files) > 3 else ""
-        what = f"No document could be read from the input ({named}{more})"
+        what = f"No document could be read from the input ({input_problems(files)})"
     else:
         top = ", ".join(f"{r} ({n})" for r, n in Counter(manifest["drop_reasons"]).most_common(3))
         what = f"Every document was dropped (top reasons: {top or 'none'})"
     kept = (f"{current['version']} stays the current version" if current and current.get("version")
             else "no version was made")
     return f"{what}; nothing was committed ({kept}), and this build's manifest and quarantine are in {failed}."
+
+
+def input_problems(files: Sequence[dict[str, Any]], shown: int = 3) -> str:
+    """``name: error`` of the first ``shown`` of a manifest's file entries, for a terminal."""
+    named = "; ".join(f"{Path(f['path']).name}: {_first_line(f.get('error')) or 'no records'}" for f in files[:shown])
+    return named + (f"; and {len(files) - shown} more" if len(files) > shown else "")
 
 
 def _first_line(text: str | None, limit: int = 120) -> str:
