@@ -91,7 +91,7 @@ def _prepare_services(cfg) -> None:
 
 @app.command()
 def data(
-    input: Optional[list[str]] = typer.Option(None, "--input", "-i", help="WARC/WET file or folder (repeatable); local or fsspec URL."),
+    input: Optional[list[str]] = typer.Option(None, "--input", "-i", help="WARC/WET file, folder or quoted glob (repeatable); local or fsspec URL."),
     seed_url: Optional[list[str]] = typer.Option(None, "--seed-url", help="Crawl from this URL first (repeatable)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Output folder."),
     refresh: bool = typer.Option(False, "--refresh", help="Add only new/changed pages to the dataset in --out as a new version."),
@@ -100,7 +100,7 @@ def data(
 ) -> None:
     """Web pages -> clean, language-tagged, deduplicated Parquet shards (a new dataset version).
 
-    Example: crawl2chat data --input crawl/*.warc.gz --out runs/data   (add --refresh for a new version)
+    Example: crawl2chat data --input crawl/ --out runs/data   (a folder, or a quoted glob: --input 'crawl/*.warc.gz'; add --refresh for a new version)
     """
     cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out,
                          "data.refresh": True if refresh else None}, set_)
@@ -223,9 +223,12 @@ def _guarded(body, cfg=None, meanwhile=()):
         if not e.permanent:
             raise
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
-    except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError) as e:
+    except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError,
+            NotADirectoryError, IsADirectoryError, PermissionError) as e:
         traces = Path(home) / RUN_TRACES if home else None
-        _fail(f"{e}" + (f" (trace: {traces})" if traces and traces.exists() else ""), 2)
+        # An OSError of the system's own words ("[Errno 20] Not a directory: 'x'") reads better as "x: Not a directory".
+        said = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else f"{e}"
+        _fail(said + (f" (trace: {traces})" if traces and traces.exists() else ""), 2)
     except (OSError, MemoryError) as e:  # out of disk space, a file size limit or memory: a rerun fails again
         from crawl2chat.stages.resources import exhaustion
 

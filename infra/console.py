@@ -32,6 +32,10 @@ CHATTER = tuple(re.compile(p) for p in (
     # Ray Data looks once, as a dataset starts, for a free CPU; between two steps the
     # previous step's tasks may still be handing theirs back.
     r"The Ray cluster currently does not have any available CPUs\. The Dataset job will hang",
+    # Prefect's events client at exit, while it sends the run's last events.
+    r"Still processing items: \d+ items remaining",
+    # warcio's note that it percent-encoded a record's URL; the document keeps the encoded URL.
+    r"Replacing spaces in invalid WARC-Target-URI",
 ))
 
 
@@ -62,7 +66,7 @@ def filter_terminal_handlers(logger_name: str) -> None:
             handler.addFilter(ChatterFilter())
 
 
-RUN_TRACES = "logs/flow-runs.log"  # under the project folder (home): every flow and task run's log lines
+RUN_TRACES = "logs/flow-runs.log"  # under the project folder (home): flow and task runs' lines, library warnings
 
 
 class RunTraceFilter(logging.Filter):
@@ -90,17 +94,20 @@ def keep_run_traces(home: str | os.PathLike) -> str:
 
     path = (Path(home) / RUN_TRACES).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
-    for name in ("prefect.flow_runs", "prefect.task_runs"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in logger.handlers):
-            handler = logging.FileHandler(path, encoding="utf-8")
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            logger.addHandler(handler)
-    for logger in (logging.getLogger(), logging.getLogger("prefect")):
+    # On the root logger: the flow and task runs' records reach it (Prefect's loggers
+    # propagate), and so do the libraries' warnings the terminal holds back (ChatterFilter).
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
+        handler = logging.FileHandler(path, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    for logger in (root, logging.getLogger("prefect")):
         for handler in logger.handlers:
             terminal = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
             if terminal and not any(isinstance(f, RunTraceFilter) for f in handler.filters):
                 handler.addFilter(RunTraceFilter())
+            if terminal and not any(isinstance(f, ChatterFilter) for f in handler.filters):
+                handler.addFilter(ChatterFilter())
     return str(path)
 
 

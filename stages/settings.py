@@ -80,11 +80,16 @@ def format_errors(err: ValidationError, prefix: str = "") -> str:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        tree = yaml.safe_load(Path(path).read_text()) or {}
+        tree = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except OSError as e:
         raise SettingsError(f"cannot read settings file {path}: {e.strerror}") from e
-    except yaml.YAMLError as e:
-        raise SettingsError(f"settings file {path} is not valid YAML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"settings file {path} is not UTF-8 text (byte {e.start} is not valid UTF-8)") from e
+    except yaml.YAMLError as e:  # one line: PyYAML's own message quotes the file over several
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SettingsError(f"settings file {path} is not valid YAML{where}: {problem}") from e
     if not isinstance(tree, dict):
         raise SettingsError(f"settings file {path} must hold a mapping at the top level")
     return tree

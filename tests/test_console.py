@@ -17,6 +17,8 @@ NOTICES = [
     "127.0.0.1, which is 4x the maximum expected startup concurrency (2).",
     "2026-12-03 15:43:42,882\tWARNING dataset.py:8601 -- Warning: The Ray cluster currently does not have any "
     "available CPUs. The Dataset job will hang unless more CPUs are freed up.",
+    "Still processing items: 5 items remaining...",
+    "Replacing spaces in invalid WARC-Target-URI: hello this",
 ]
 PROGRESS = [
     "10 steps, val_loss 4.411 -> /tmp/run/model",
@@ -127,3 +129,33 @@ def test_terminal_handlers_hold_notices_back_and_files_keep_them(tmp_path, monke
     assert terminal.getvalue().splitlines() == [
         "a real problem", "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled"]
     assert "does not have any available CPUs" in log_file.read_text()
+
+
+def test_run_traces_keep_what_the_terminal_holds_back(tmp_path, monkeypatch):
+    """After ``keep_run_traces``: a failed run's "Finished in state Failed" line and a library's
+    notice (warcio's) stay off the terminal handler and reach HOME/logs/flow-runs.log; a real
+    warning shows on both."""
+    import io
+    import logging
+    from pathlib import Path
+
+    from crawl2chat.infra.console import keep_run_traces
+
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    root = logging.getLogger()
+    terminal = io.StringIO()
+    console = logging.StreamHandler(terminal)
+    root.addHandler(console)
+    before = list(root.handlers)
+    try:
+        path = Path(keep_run_traces(tmp_path))
+        logging.getLogger("prefect.task_runs").error("Finished in state Failed('Task run encountered an exception')")
+        logging.getLogger("warcio.recordloader").warning("Replacing spaces in invalid WARC-Target-URI: hello this")
+        logging.getLogger("crawl2chat.test").warning("a real problem")
+    finally:
+        for h in [h for h in root.handlers if h not in before] + [console]:
+            root.removeHandler(h)
+            h.close()
+    assert terminal.getvalue().splitlines() == ["a real problem"]
+    logged = path.read_text()
+    assert "Finished in state Failed" in logged and "Replacing spaces" in logged and "a real problem" in logged

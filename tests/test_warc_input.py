@@ -212,8 +212,9 @@ def test_a_folder_without_crawl_files_is_named_with_what_it_holds(tmp_path):
         ("empty.warc.gz", b"", "empty file"),
         ("random.warc", random.Random(0).randbytes(4096), "ArchiveLoadFailed"),
         ("notes.warc", b"These are meeting notes.\nSecond line.\n", "ArchiveLoadFailed"),
-        # five words on the first line read as an ARC header: warcio yields a bogus record
-        ("words.warc", b"These are five word notes\nSecond line.\n", "invalid Content-Length"),
+        # five words on the first line would read as an ARC header: a WARC file holds WARC records only
+        ("words.warc", b"These are five word notes\nSecond line.\n", "Invalid WARC record"),
+        ("line.warc.gz", b"hello this is not a warc\n", "Invalid WARC record"),
         ("notes.wet.txt", b"These are meeting notes, not a WET dump.\n", "not a WET file"),
         ("cut.warc.gz", None, "truncated record"),
     ],

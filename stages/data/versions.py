@@ -189,6 +189,10 @@ def plan_version(out_dir: str | os.PathLike, files: Sequence[str], settings: dic
     files and settings equal the current version's is already done.
     """
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        from crawl2chat.stages.settings import SettingsError
+
+        raise SettingsError(f"data.out: {out} is a file, not a folder")
     current = restore_current(out)
     versions = committed_versions(out)
     name = version_name(int(versions[-1][1:]) + 1 if versions else 1)

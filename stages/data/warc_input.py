@@ -36,6 +36,7 @@ from warcio.exceptions import ArchiveLoadFailed
 from crawl2chat.stages.data.base import Document
 from crawl2chat.stages.data.extract import body_to_text, looks_binary, parse_content_type, sniff_html
 from crawl2chat.stages.data.settings import ExtractConfig
+from crawl2chat.stages.settings import SettingsError
 
 # Names picked up when a folder is given. Plain ``*.txt`` is not: folders of crawl
 # samples usually also hold README/LICENSE text files.
@@ -60,7 +61,10 @@ def list_input_files(paths: list[str]) -> list[str]:
     found: set[str] = set()
     empty: list[tuple[str, list[str]]] = []  # folders given that hold no crawl file
     for path in paths:
-        fs, root = fsspec.core.url_to_fs(path)
+        try:
+            fs, root = fsspec.core.url_to_fs(path)
+        except (ValueError, ImportError) as e:  # an unknown protocol, or its package not installed
+            raise SettingsError(f"data.inputs: cannot open {path!r}: {e}") from None
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         local = "file" in protocols
 
@@ -73,7 +77,8 @@ def list_input_files(paths: list[str]) -> list[str]:
                 raise FileNotFoundError(f"no input file matches {path!r}")
             found.update(name(p) for p in matches if fs.isfile(p))
         elif not fs.exists(root):
-            raise FileNotFoundError(f"input path does not exist: {path!r}")
+            raise FileNotFoundError(f"input path does not exist: {path!r}" if local else
+                                    f"input path does not exist or cannot be reached: {path!r}")
         elif fs.isdir(root):
             inside = fs.find(root)
             archives = [name(p) for p in inside if p.lower().endswith(INPUT_SUFFIXES)]
@@ -177,6 +182,10 @@ class WarcReader:
 
     def _warc_records(self, raw_file: IO[bytes], source: str) -> Iterator[Document | None]:
         iterator = _QuietArchiveIterator(raw_file, arc2warc=True)
+        if not source.lower().endswith((".arc", ".arc.gz")):
+            # A WARC or WET file holds WARC records only: without this, warcio falls back to
+            # reading any line of text as an ARC record's header (a text file "parses").
+            iterator.known_format = "warc"
         records = iter(iterator)
         seen_any = False
         cut: tuple[int, str] | None = None  # (offset of the cut record, what of it is missing)
