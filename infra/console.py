@@ -122,6 +122,9 @@ def quiet_libraries() -> None:
     if verbose():
         return
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # Ray's C++ failure-signal handler turns a SIGTERM or Ctrl-C'd process into an abort
+    # with a stack dump on the terminal (status 134 instead of 143); read as Ray is imported.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)

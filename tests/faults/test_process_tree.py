@@ -99,6 +99,35 @@ def test_local_ray_dies_with_its_driver():
     assert time.monotonic() - t0 < 20
 
 
+TERMINATED = textwrap.dedent("""
+    import time
+    from crawl2chat.infra.console import quiet_libraries
+    quiet_libraries()  # as every entry point does, before Ray loads
+    from crawl2chat.infra.ray_runtime import ensure_ray
+    ensure_ray(num_cpus=1)
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_ray_driver_stopped_with_sigterm_ends_as_terminated_without_a_dump():
+    """Ray's failure-signal handler would turn the SIGTERM into an abort (status 134) with a
+    C++ stack dump on the terminal; the process ends as SIGTERM ends it, and quietly."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "CRAWL2CHAT_VERBOSE")}
+    driver = subprocess.Popen([sys.executable, "-c", TERMINATED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, start_new_session=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+        driver.send_signal(signal.SIGTERM)
+        _, stderr = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    # Killed by the signal, or exited with its number (Ray's Python handler) or 128 + it; never an abort.
+    assert driver.returncode in (-signal.SIGTERM, signal.SIGTERM, 128 + signal.SIGTERM), driver.returncode
+    assert "SIGTERM received" not in stderr, stderr[-2000:]
+
+
 RELEASER = textwrap.dedent("""
     import json, time
     import psutil, ray
