@@ -220,8 +220,8 @@ def _guarded(body, cfg=None, meanwhile=()):
         with flow_settings():
             return body()
     except StageFailed as e:
-        if not e.permanent:
-            raise
+        if not e.permanent:  # a rerun may get past it, and resumes from the last checkpoint
+            _fail(f"{e.stage}: {e.message}; rerunning the command resumes (full log: {e.log_path})", 1)
         _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
     except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError,
             NotADirectoryError, IsADirectoryError, PermissionError) as e:
@@ -385,7 +385,7 @@ def lineage(
     try:
         typer.echo(format_lineage(ref))
     except Exception as e:  # noqa: BLE001 - a bad reference gets one plain line, not a traceback
-        _fail(f"cannot resolve {ref!r}: {e}")
+        _fail(f"cannot resolve {ref!r}: {e}", 2)
 
 
 @app.command("serve-flows")

@@ -13,8 +13,10 @@ QUANTIZE_HELP = "Dynamic int8 quantisation of the linear layers at load time (CP
 
 
 def _check_model(model: str) -> None:
-    if not (Path(model) / "config.json").exists():
-        typer.echo(f"error: {model} is not a model folder (no config.json)", err=True)
+    from crawl2chat.stages.training.models import model_folder_problem
+
+    if problem := model_folder_problem(model):
+        typer.echo(f"error: --model: {problem}", err=True)
         raise typer.Exit(2)
 
 

@@ -23,6 +23,7 @@ from crawl2chat.infra.lineage import folder_input_tags, model_input_tags
 from crawl2chat.infra.console import keep_run_traces
 from crawl2chat.infra.tracking import pipeline_run, setup_tracking
 from crawl2chat.stages.settings import Config, SettingsError
+from crawl2chat.stages.training.models import model_folder_problem
 from crawl2chat.stages.training.registry import STAGES, TrainingStage
 from crawl2chat.tasks.data import data_lineage
 from crawl2chat.tasks.train import demo_sets_task, questions_task, showcase_task, training_task
@@ -125,6 +126,8 @@ def stage_inputs(stage: TrainingStage, config: Config, given: dict[str, str]) ->
         if not value:
             where = f" or the setting {stage.name}.{item.setting}" if item.setting else ""
             raise SettingsError(f"{stage.name}: no {item.name} given (the --{item.name} option{where})")
+        if item.model_role and (problem := model_folder_problem(value, reward=item.model_role == "reward")):
+            raise SettingsError(f"{stage.name}: --{item.name}: {problem}")
         inputs[item.name] = value
     return inputs
 
@@ -134,9 +137,9 @@ def _single_stage_flow(stage: TrainingStage):
     (defaults: where the pipeline leaves them), so the Prefect UI renders a form."""
 
     def run_stage(config: Config = Config(), **given: str) -> dict:
+        keep_run_traces(config.home)
         inputs = stage_inputs(stage, config, given)
         setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
-        keep_run_traces(config.home)
         with pipeline_run(stage.name, {stage.name: getattr(config, stage.name).model_dump(mode="json"), **inputs}):
             if stage.prepare_on_host:  # a stage that reads a dataset links its version's run
                 lineage = data_lineage(str(Path(inputs["data"]).resolve()))

@@ -69,11 +69,15 @@ def filter_terminal_handlers(logger_name: str) -> None:
 RUN_TRACES = "logs/flow-runs.log"  # under the project folder (home): flow and task runs' lines, library warnings
 
 
+# Prefect's lines as a run fails or is stopped (SIGTERM, Ctrl-C), repeating what the command says.
+RUN_END_LINES = ("Finished in state Failed", "Finished in state Crashed", "Crash detected!")
+
+
 class RunTraceFilter(logging.Filter):
     """For a terminal handler: holds back what Prefect logs when a flow or task run fails
-    (the traceback, an ERROR record with ``exc_info``, and the "Finished in state Failed"
-    line repeating the error). The command's last line says what failed in one sentence;
-    both stay in the run's logs (Prefect's API, the UI) and in ``HOME/logs/flow-runs.log``."""
+    or is stopped (the traceback, an ERROR record with ``exc_info``, and the lines of
+    :data:`RUN_END_LINES`). The command's last line says what failed in one sentence;
+    they stay in the run's logs (Prefect's API, the UI) and in ``HOME/logs/flow-runs.log``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if verbose() or not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
@@ -81,7 +85,7 @@ class RunTraceFilter(logging.Filter):
         if record.exc_info:
             return False
         try:
-            return not (record.levelno >= logging.ERROR and record.getMessage().startswith("Finished in state Failed"))
+            return not (record.levelno >= logging.ERROR and record.getMessage().startswith(RUN_END_LINES))
         except Exception:  # noqa: BLE001 - a record that cannot be formatted is shown as it is
             return True
 

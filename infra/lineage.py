@@ -9,6 +9,8 @@ for runs naming it as an input).
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import mlflow
@@ -58,6 +60,12 @@ def resolve_run(ref: str) -> Run:
         return client.get_run(version.run_id)
     if Path(ref).exists():
         model_dir = str(Path(ref).resolve())
+        exported = Path(ref) / "export_report.json"  # an exported copy: the run that made its source
+        if exported.exists():
+            try:
+                model_dir = json.loads(exported.read_text())["source"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise LookupError(f"{exported} is unreadable ({type(e).__name__})") from None
         runs = mlflow.search_runs(search_all_experiments=True, output_format="list",
                                   filter_string=f"tags.\"crawl2chat.model_dir\" = '{model_dir}'",
                                   order_by=["attributes.start_time DESC"], max_results=1)
@@ -103,7 +111,8 @@ def describe(run: Run) -> str:
     stage = tags.get("crawl2chat.stage", run.info.run_name)
     data = " ".join(filter(None, (tags.get("crawl2chat.data_version"), tags.get("crawl2chat.data_digest"))))
     detail = tags.get("crawl2chat.model_dir") or data
-    return f"{stage:<9} run {run.info.run_id}  {detail}".rstrip()
+    status = "" if run.info.status == "FINISHED" else f"  [{run.info.status}]"  # failed, killed, or still running
+    return f"{stage:<9} run {run.info.run_id}  {detail}{status}".rstrip()
 
 
 def format_lineage(ref: str) -> str:

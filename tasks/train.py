@@ -213,13 +213,32 @@ def _launch_node(stage, inputs, out, max_steps, config, overrides, num_processes
 
 
 
+# Lines of a Python traceback as the interpreter prints it: its header, the chained
+# exceptions' joins, and everything indented under them up to the exception's own line.
+TRACEBACK_START = "Traceback (most recent call last):"
+TRACEBACK_JOINS = ("During handling of the above exception, another exception occurred:",
+                   "The above exception was the direct cause of the following exception:")
+
+
 def _progress_printer(stage: str) -> Callable[[str], None]:
     """Echo the script's own lines with a stage prefix (the metrics file is followed
-    by a :class:`MetricsFollower` thread, not from here)."""
+    by a :class:`MetricsFollower` thread, not from here). A failing script's traceback
+    stays in ``OUT/train.log``: the script's last line and the command's say what failed."""
 
-    from crawl2chat.infra.console import is_chatter
+    from crawl2chat.infra.console import is_chatter, verbose
+
+    in_trace = False
 
     def on_line(line: str) -> None:
+        nonlocal in_trace
+        if not verbose():
+            if line.startswith(TRACEBACK_START) or line.strip() in TRACEBACK_JOINS:
+                in_trace = True
+                return
+            if in_trace:
+                # Indented frames, blank lines, then the unindented "Error: message" ends it.
+                in_trace = not line.strip() or line[:1].isspace()
+                return
         # The closing JSON summary is printed by the task in a line of its own; library
         # notices stay in OUT/train.log.
         if line.strip() and not line.startswith("{") and not is_chatter(line):

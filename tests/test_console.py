@@ -150,6 +150,7 @@ def test_run_traces_keep_what_the_terminal_holds_back(tmp_path, monkeypatch):
     try:
         path = Path(keep_run_traces(tmp_path))
         logging.getLogger("prefect.task_runs").error("Finished in state Failed('Task run encountered an exception')")
+        logging.getLogger("prefect.flow_runs").error("Crash detected! Execution was aborted by a termination signal.")
         logging.getLogger("warcio.recordloader").warning("Replacing spaces in invalid WARC-Target-URI: hello this")
         logging.getLogger("crawl2chat.test").warning("a real problem")
     finally:
@@ -158,4 +159,4 @@ def test_run_traces_keep_what_the_terminal_holds_back(tmp_path, monkeypatch):
             h.close()
     assert terminal.getvalue().splitlines() == ["a real problem"]
     logged = path.read_text()
-    assert "Finished in state Failed" in logged and "Replacing spaces" in logged and "a real problem" in logged
+    assert "Finished in state Failed" in logged and "Crash detected!" in logged and "Replacing spaces" in logged and "a real problem" in logged

@@ -35,6 +35,19 @@ def test_chain_is_walked_upstream_and_downstream(tmp_path):
     policy_up = format_lineage(ids["ppo"]).partition("this:")[0]
     for name in ("sft", "reward", "pretrain", "write"):
         assert ids[name] in policy_up
+    # An exported copy resolves to the run that wrote its source.
+    import json
+
+    (tmp_path / "exported").mkdir()
+    (tmp_path / "exported" / "export_report.json").write_text(json.dumps({"source": str((tmp_path / "policy").resolve())}))
+    assert resolve_run(str(tmp_path / "exported")).info.run_id == ids["ppo"]
+    # A run that did not finish says so where it is listed.
+    with mlflow.start_run(run_name="dpo", tags={"crawl2chat.stage": "dpo", **input_tags(sft=ids["sft"])}) as run:
+        failed = run.info.run_id
+    mlflow.MlflowClient().set_terminated(failed, "FAILED")
+    (line,) = [x for x in format_lineage(ids["sft"]).splitlines() if failed in x]
+    assert line.endswith("[FAILED]")
+    assert not any(x.endswith("]") for x in format_lineage(ids["sft"]).splitlines() if failed not in x)
 
 
 def test_each_home_keeps_its_own_tracking_store(tmp_path):

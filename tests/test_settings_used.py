@@ -227,3 +227,21 @@ def test_reports_say_there_is_no_held_out_set_instead_of_nan():
     assert STAGES["dpo"].report({"held_out": 0}) == "no held-out set"
     assert "nan" not in STAGES["ppo"].report({"reward_mean_first": float("nan")}).lower()
     assert STAGES["reward"].report({"held_out": 4, "eval_accuracy": 0.75}) == "eval_accuracy 0.750"
+
+
+def test_mixed_precision_and_held_out_share_are_refused_where_they_could_not_take_effect():
+    """fp16 on a CPU would train in fp32 under the name fp16: refused. A held-out share outside
+    [0, 1) is refused with the field named. YAML's unquoted ``no`` (read as false) means "no"."""
+    from crawl2chat.stages.settings import load_config, parse_override
+    from crawl2chat.stages.training.trainer import resolve_mixed_precision
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="mixed_precision=fp16 needs a CUDA GPU"):
+            resolve_mixed_precision("fp16")
+        assert resolve_mixed_precision("auto") == "no" and resolve_mixed_precision("bf16") == "bf16"
+    cfg = load_config(overrides=dict([parse_override("pretrain.train.mixed_precision=no")]))
+    assert cfg.pretrain.train.mixed_precision == "no"
+    for stage in ("pretrain", "mlm", "span", "distill"):
+        for bad, why in ((1.5, "less than 1"), (-0.5, "greater than or equal to 0")):
+            with pytest.raises(SettingsError, match=rf"{stage}\.train\.val_fraction: Input should be {why}"):
+                load_config(overrides={f"{stage}.train.val_fraction": bad})

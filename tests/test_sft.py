@@ -187,7 +187,40 @@ def test_unusable_data_fails_once_with_one_sentence_and_status_2(base, tmp_path)
     assert "AwaitingRetry" not in proc.stdout + proc.stderr
     log = (run_dir / "train.log").read_text()
     assert {line for line in log.splitlines() if line.startswith("error: ")} == {f"error: {failure['message']}"}
-    assert "Traceback" in log
+    assert "Traceback" in log and "Traceback" not in proc.stdout + proc.stderr  # the trace in the log only
+
+
+def test_a_damaged_or_wrong_input_model_is_refused_before_training(base, tmp_path):
+    """An input model folder is checked as the stage checks its own: a weights file changed
+    since it was written, a folder that is no model, a causal LM given as a reward model.
+    The command ends at once in one sentence naming the file or folder, exit 2."""
+    import shutil
+    import subprocess
+    import sys
+
+    from crawl2chat.stages.training.models import model_folder_problem
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(base, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    assert model_folder_problem(base) is None
+    assert model_folder_problem(damaged) == f"{weights} has 3000 bytes, {(base / 'model.safetensors').stat().st_size} were written"
+    assert model_folder_problem(tmp_path) == f"{tmp_path} is not a model folder (no config.json)"
+    assert "is not a reward model (its architecture is LlamaForCausalLM" in model_folder_problem(base, reward=True)
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "crawl2chat.cli", "sft", "--base", str(damaged), "--data", str(data),
+         "--out", str(tmp_path / "run"), "--max-steps", "2", "--set", f"home={tmp_path / 'home'}"],
+        capture_output=True, text=True, timeout=600,
+        env={**{k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")},
+             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: sft: --base: {weights} has 3000 bytes"), last
+    assert "Traceback" not in proc.stdout + proc.stderr and not (tmp_path / "run").exists()
 
 
 def test_a_set_with_few_distinct_rows_holds_out_a_tail_and_never_reports_nan(base, tmp_path):

@@ -13,6 +13,7 @@ accelerate configs under ``infra/accelerate/`` choose it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 # name -> (layers, width, heads, kv_heads, ffn width, tie embeddings)
@@ -33,6 +34,34 @@ PRESETS: dict[str, dict[str, Any]] = {
     "1b": dict(num_hidden_layers=22, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
                intermediate_size=5632, tie_word_embeddings=False),
 }
+
+
+def model_folder_problem(folder: str | Path, reward: bool = False) -> str | None:
+    """None for a folder a stage can load as its input model; otherwise what is wrong, in
+    words naming the folder or file: not a model folder, a file damaged since it was written
+    (``checksums.json``), or, with ``reward``, not a reward model (a sequence classifier
+    with its score head: a causal LM would be read with a random head)."""
+    import json
+
+    from crawl2chat.stages.checksums import folder_damage
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder} does not exist" if not folder.exists() else f"{folder} is a file, not a model folder"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        return f"{folder} is not a model folder (no config.json)"
+    except (OSError, ValueError) as e:
+        return f"{folder / 'config.json'} is unreadable ({type(e).__name__})"
+    damage = folder_damage(folder)
+    if damage:
+        return damage
+    architectures = config.get("architectures") or []
+    if reward and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        return (f"{folder} is not a reward model (its architecture is {', '.join(architectures) or 'not recorded'}; "
+                "crawl2chat reward trains one)")
+    return None
 
 
 def model_config(preset: str, vocab_size: int, seq_len: int, pad_token_id: int | None = None,

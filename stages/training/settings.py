@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_serializer, field_validator, model_validator
 
 # Lion's update is the sign of its momentum, so every entry has unit size: it needs a
 # learning rate 3-10x below AdamW's (Chen et al., 2023). A stage's Lion default is its
@@ -71,6 +71,11 @@ class LoopConfig(BaseModel):
     weight_decay: float = 0.1
     clip_norm: float = 1.0  # 0 disables clipping (the norm is still measured)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        return "no" if value is False else value  # YAML 1.1 reads an unquoted `no` as false
     grad_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass (less memory, ~30% more compute); "
                            "every stage's trained models.")
@@ -178,7 +183,7 @@ class PretrainConfig(TrainConfig):
     vocab_size: int = 8192  # tokenizer trained on the data when no tokenizer is given
     tokenizer: str | None = None  # an existing tokenizer folder to reuse instead
     tokenizer_max_docs: int | None = 200_000  # documents sampled to train the tokenizer
-    val_fraction: float = 0.01  # share of documents (by id hash) held out for validation
+    val_fraction: float = Field(0.01, ge=0, lt=1)  # share of documents (by id hash) held out for validation
     tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = "bpe"  # family of the trained (or given) tokenizer
     # Draw training documents by the data stage's sample_weight (balance.mode=weight), so each
     # language's (or source's) token share follows the balance target; False: uniform windows over
@@ -357,7 +362,7 @@ class EncoderPretrainConfig(TrainConfig):
     tokenizer: str | None = None  # an existing tokenizer folder (with this objective's special tokens) to reuse
     tokenizer_type: Literal["bpe", "wordpiece", "unigram"] = "wordpiece"
     tokenizer_max_docs: int | None = 200_000  # documents sampled to train the tokenizer
-    val_fraction: float = 0.01  # share of documents (by id hash) held out for validation
+    val_fraction: float = Field(0.01, ge=0, lt=1)  # share of documents (by id hash) held out for validation
 
 
 class MLMConfig(EncoderPretrainConfig):
@@ -459,5 +464,5 @@ class DistillConfig(TrainConfig):
     # Also train the same student (same seed, batches and steps) with alpha=0 into OUT/without_teacher,
     # so the summary says what the teacher added.
     compare_without_teacher: bool = True
-    val_fraction: float = 0.01  # held out by id hash when the teacher records no split of its own
+    val_fraction: float = Field(0.01, ge=0, lt=1)  # held out by id hash when the teacher records no split of its own
     sample_by_weight: bool = True  # as in pretraining: documents drawn by the data stage's sample_weight

@@ -79,9 +79,12 @@ ROLLBACK_FILE = "rollback.json"  # in OUT/checkpoints: the newest rollback, writ
 def resolve_mixed_precision(choice: str) -> str:
     """``auto``: bf16 where the GPU has bf16 units, fp16 on older GPUs, fp32 on CPU
     (CPUs without bf16 units run autocast bf16 matmuls far slower than fp32)."""
+    on_gpu = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    if choice == "fp16" and not on_gpu:  # Accelerate would train in fp32 and call it fp16
+        raise ValueError("train.mixed_precision=fp16 needs a CUDA GPU; on a CPU choose bf16 or no")
     if choice != "auto":
         return choice
-    if torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true"):
+    if on_gpu:
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "no"
 
