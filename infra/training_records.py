@@ -40,6 +40,9 @@ class MetricsFollower:
         self.client = client or mlflow.MlflowClient()
         self.interval = interval
         self.offset = 0
+        # Rows an earlier attempt of the run left (a resume): sent to MLflow with the rest, so
+        # the run holds the whole curve, but not shown again as this attempt's progress.
+        self.shown_from = self.path.stat().st_size if self.path.exists() else 0
         self.pending: list[Metric] = []
         self.sent = 0
         self.failures = 0  # sends that failed (and were retried)
@@ -62,10 +65,14 @@ class MetricsFollower:
         complete, _, _ = chunk.rpartition(b"\n")
         if not complete:
             return 0
+        start = self.offset
         self.offset += len(complete) + 1
         now = int(time.time() * 1000)
         before = len(self.pending)
-        for line in complete.decode("utf-8", errors="replace").splitlines():
+        for line in complete.split(b"\n"):
+            start += len(line) + 1
+            earlier_attempt = start <= self.shown_from
+            line = line.decode("utf-8", errors="replace")
             try:
                 row = json.loads(line)
             except ValueError:
@@ -75,7 +82,7 @@ class MetricsFollower:
             if row.get("type") == "event":
                 self.events.append(row)
                 continue
-            if row.get("type") == "step" and self.on_step is not None:
+            if row.get("type") == "step" and self.on_step is not None and not earlier_attempt:
                 try:
                     self.on_step(row)
                 except Exception:  # noqa: BLE001 - a display problem never stops tracking

@@ -46,9 +46,9 @@ def test_the_follower_passes_step_rows_on(tmp_path):
 
     seen = []
     path = tmp_path / "metrics.jsonl"
+    follower = MetricsFollower(path, "no-run", client=object(), on_step=seen.append)
     path.write_text("\n".join(json.dumps(r) for r in [{"type": "event", "event": "start", "step": 0}, *rows(3),
                                                        {"type": "eval", "step": 3, "val_loss": 4.0}]) + "\n")
-    follower = MetricsFollower(path, "no-run", client=object(), on_step=seen.append)
     assert follower.read() > 0
     assert [r["step"] for r in seen] == [1, 2, 3]
 
@@ -118,3 +118,19 @@ def test_a_terminal_line_is_ended_once_whatever_follows():
     p({"step": 42}, now=1.0)
     p.finish({"step": 42}, now=2.0)
     assert out.getvalue().count("\n") == 1 and out.getvalue().endswith("documents 42  42.0 documents/s\n")
+
+
+def test_a_resumed_run_shows_only_its_own_steps_and_sends_all(tmp_path):
+    """Rows an earlier attempt left in metrics.jsonl go to MLflow with the new ones (the
+    run keeps the whole curve) but are not printed again as this attempt's progress."""
+    from crawl2chat.infra.training_records import MetricsFollower
+
+    seen = []
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(3)))
+    follower = MetricsFollower(path, "no-run", client=object(), on_step=seen.append)
+    with open(path, "a") as f:
+        f.write("".join(json.dumps({**r, "step": r["step"] + 2}) + "\n" for r in rows(2)))
+    assert follower.read() > 0
+    assert [r["step"] for r in seen] == [3, 4]
+    assert sorted({m.step for m in follower.pending}) == [1, 2, 3, 4]
