@@ -71,6 +71,7 @@ def setup_tracking(home: str | Path, experiment: str, configured: str | None = N
             artifact_location = (Path(home).resolve() / "mlartifacts").as_uri()
         mlflow.create_experiment(experiment, artifact_location=artifact_location)
     mlflow.set_experiment(experiment)
+    close_abandoned_runs()
     return uri
 
 
@@ -93,6 +94,49 @@ def safe_params(params: dict[str, Any]) -> dict[str, Any]:
     return mask_secrets(params)
 
 
+# Which process opened a run: "host:pid:start time". A run left RUNNING by a process that
+# is gone (killed with SIGKILL, a machine reset) is closed as KILLED by the next command on
+# that host (:func:`close_abandoned_runs`), so the UI and lineage do not show it as running.
+OWNER_TAG = "crawl2chat.owner"
+
+
+def _process_owner(pid: int | None = None) -> str | None:
+    import socket
+
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return f"{socket.gethostname()}:{proc.pid}:{proc.create_time():.2f}"
+    except psutil.Error:
+        return None
+
+
+def close_abandoned_runs() -> list[str]:
+    """Mark KILLED the runs this host's processes opened and left RUNNING when they died;
+    returns their ids. Runs of live processes, and other hosts' runs, are left alone."""
+    import socket
+
+    host = socket.gethostname()
+    try:
+        running = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                     filter_string=f"attributes.status = 'RUNNING' and tags.\"{OWNER_TAG}\" LIKE '{host}:%'")
+    except Exception:  # noqa: BLE001 - tidying the store never stops a command
+        return []
+    closed = []
+    client = mlflow.MlflowClient()
+    for run in running:
+        owner = run.data.tags.get(OWNER_TAG, "")
+        try:
+            pid = int(owner.split(":")[-2])
+        except (IndexError, ValueError):
+            continue
+        if _process_owner(pid) != owner:  # gone, or the pid now belongs to another process
+            client.set_terminated(run.info.run_id, "KILLED")
+            closed.append(run.info.run_id)
+    return closed
+
+
 # The pipeline's parent run. Prefect may run a task in another thread, where MLflow's
 # thread-local active run is not visible; a context variable travels with the task.
 parent_run_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("crawl2chat_parent_run", default=None)
@@ -101,7 +145,8 @@ parent_run_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("craw
 @contextlib.contextmanager
 def pipeline_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Iterator[mlflow.ActiveRun]:
     """The parent run of one pipeline run; stage runs opened inside become its children."""
-    with mlflow.start_run(run_name=name, tags={"crawl2chat.pipeline": name, **(tags or {})}) as run:
+    with mlflow.start_run(run_name=name, tags={"crawl2chat.pipeline": name, OWNER_TAG: _process_owner() or "",
+                                               **(tags or {})}) as run:
         if params:
             mlflow.log_params(safe_params(flatten("", mask_secrets(params))))
         token = parent_run_id.set(run.info.run_id)
@@ -120,7 +165,7 @@ def stage_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, s
         run_name=name,
         nested=active is not None,
         parent_run_id=parent if active is None else None,
-        tags={"crawl2chat.stage": name, **(tags or {})},
+        tags={"crawl2chat.stage": name, OWNER_TAG: _process_owner() or "", **(tags or {})},
     ) as run:
         if params:
             mlflow.log_params(safe_params(flatten("", mask_secrets(params))))

@@ -56,3 +56,36 @@ def test_each_home_keeps_its_own_tracking_store(tmp_path):
     second = setup_tracking(tmp_path / "b", "crawl2chat")
     assert first == f"sqlite:///{(tmp_path / 'a').resolve() / 'mlflow.db'}"
     assert second == f"sqlite:///{(tmp_path / 'b').resolve() / 'mlflow.db'}"
+
+
+OPENER = """
+import sys, time
+from crawl2chat.infra.tracking import setup_tracking, stage_run
+setup_tracking(sys.argv[1], "abandoned-test")
+with stage_run("pretrain") as run:
+    print(run.info.run_id, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_whose_process_was_killed_is_closed_by_the_next_command(tmp_path):
+    """A stage run left RUNNING by a process killed with SIGKILL is marked KILLED when the
+    next command opens the store; the run of a process still alive stays RUNNING."""
+    import signal
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", OPENER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        killed, alive = (p.stdout.readline().strip() for p in procs)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=30)
+        setup_tracking(tmp_path, "abandoned-test")
+        client = mlflow.MlflowClient()
+        assert client.get_run(killed).info.status == "KILLED" and client.get_run(killed).info.end_time
+        assert client.get_run(alive).info.status == "RUNNING"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
