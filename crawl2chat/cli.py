@@ -220,9 +220,11 @@ def _guarded(body, cfg=None, meanwhile=()):
         with flow_settings():
             return body()
     except StageFailed as e:
+        # The script's log, or where the command's own traces go when it failed before a script wrote one.
+        log = e.log_path if e.log_path and Path(e.log_path).exists() else (Path(home) / RUN_TRACES if home else None)
         if not e.permanent:  # a rerun may get past it, and resumes from the last checkpoint
-            _fail(f"{e.stage}: {e.message}; rerunning the command resumes (full log: {e.log_path})", 1)
-        _fail(f"{e.stage}: {e.message} (full log: {e.log_path})", 2)
+            _fail(f"{e.stage}: {e.message}; rerunning the command resumes (full log: {log})", 1)
+        _fail(f"{e.stage}: {e.message} (full log: {log})", 2)
     except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError,
             NotADirectoryError, IsADirectoryError, PermissionError) as e:
         traces = Path(home) / RUN_TRACES if home else None
@@ -248,7 +250,13 @@ def _stage_command(name: str):
                      f"{name}.num_processes": kw.pop("num_processes")}
         for setting, _ in stage.options:
             overrides[f"{name}.train.{setting}"] = kw.pop(setting)
-        cfg = _load(kw.pop("config"), overrides, kw.pop("set_"))
+        sets = kw.pop("set_")
+        for item in sets or []:  # another stage's setting would be accepted and never read here
+            section = item.split("=", 1)[0].strip().split(".", 1)[0]
+            if section not in (name, "home", "tracking"):
+                _fail(f"--set {item.split('=', 1)[0].strip()}: the {name} command reads only {name}.*, home and "
+                      f"tracking.* (the {section} settings take effect in crawl2chat {section if section in (*STAGES, 'data') else 'run'})", 2)
+        cfg = _load(kw.pop("config"), overrides, sets)
         if max_steps is not None and getattr(getattr(cfg, name), "minutes", None) is not None:
             getattr(cfg, name).minutes = None  # the steps asked for, not what fits in the minutes
         _prepare_services(cfg)

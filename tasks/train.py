@@ -30,7 +30,7 @@ from crawl2chat.infra.training_records import MetricsFollower, log_model_folder
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.secrets import mask_secrets
-from crawl2chat.stages.training.failures import FAILURE_FILE, TRANSIENT, StageFailed, read_failure
+from crawl2chat.stages.training.failures import BAD_INPUT, FAILURE_FILE, TRANSIENT, StageFailed, read_failure
 from crawl2chat.stages.training.stage import model_damage, script_argv
 
 
@@ -118,16 +118,21 @@ def _launch_training(stage, inputs, out, max_steps, config, overrides, num_proce
     if prepare and spec.prepare_on_host:
         from crawl2chat.stages.training.packing import packs_on_ray
 
+        def prepare_data():
+            try:
+                importlib.import_module(spec.module).prepare_on_host(argv)
+            except (ValueError, FileNotFoundError) as e:  # the data cannot make this run: say so, do not retry
+                raise StageFailed(stage, BAD_INPUT, str(e).strip().splitlines()[0], Path(out) / "train.log") from e
+
         on_ray = any(packs_on_ray(v) for v in inputs.values())  # small shards are packed in this process
         if on_ray:
             from crawl2chat.infra.ray_runtime import ensure_ray, release_local_ray
 
             ensure_ray()
-            importlib.import_module(spec.module).prepare_on_host(argv)
+            prepare_data()
             release_local_ray()  # the training processes get the cores a local Ray would keep busy
         else:  # in this process, while the rank starts (launch_stage)
-            def prepare_here():
-                importlib.import_module(spec.module).prepare_on_host(argv)
+            prepare_here = prepare_data
     try:
         return launch_stage(spec.module, argv, out, num_processes, accelerate_config, on_line, env, node, cpu_share,
                             meanwhile, prepare=prepare_here)

@@ -245,3 +245,17 @@ def test_mixed_precision_and_held_out_share_are_refused_where_they_could_not_tak
         for bad, why in ((1.5, "less than 1"), (-0.5, "greater than or equal to 0")):
             with pytest.raises(SettingsError, match=rf"{stage}\.train\.val_fraction: Input should be {why}"):
                 load_config(overrides={f"{stage}.train.val_fraction": bad})
+
+
+def test_a_stage_command_refuses_another_stages_setting(tmp_path):
+    """``crawl2chat sft`` reads the sft, home and tracking settings only: a --set of another
+    stage's would be accepted and never read, so it is refused, naming the command that reads it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "crawl2chat.cli", "sft", "--base", "b", "--data", "d",
+                           "--set", "pretrain.train.lr=5"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --set pretrain.train.lr: the sft command reads only sft.*, home and tracking.* "
+        "(the pretrain settings take effect in crawl2chat pretrain)")

@@ -143,8 +143,9 @@ class CorruptedWindows:
         self.cfg, self.window_len, self.corrupt = cfg, window_len, corrupt
         self.with_offsets = with_offsets
         if len(self.train) <= window_len:
-            raise ValueError(f"training split has {len(self.train)} tokens; seq_len={cfg.seq_len} needs more "
-                             f"(add data or lower seq_len)")
+            source = load_index(data_dir).get("source", data_dir)
+            raise ValueError(f"the training split of {source} has {len(self.train)} tokens; seq_len={cfg.seq_len} "
+                             f"needs more (add data or lower seq_len)")
         if len(self.val) < 16:
             raise ValueError(f"held-out split has {len(self.val)} tokens, too few to evaluate; raise val_fraction")
 

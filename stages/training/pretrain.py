@@ -90,9 +90,10 @@ class TokenWindows:
     def __init__(self, data_dir: Path, cfg: PretrainConfig):
         self.train, self.val = open_tokens(data_dir, "train"), open_tokens(data_dir, "val")
         self.cfg = cfg
-        if len(self.train) <= cfg.seq_len + 1:
-            raise ValueError(f"training split has {len(self.train)} tokens; need more than seq_len + 1")
         index = load_index(data_dir)
+        if len(self.train) <= cfg.seq_len + 1:
+            raise ValueError(f"the training split of {index.get('source', data_dir)} has {len(self.train)} tokens; "
+                             f"seq_len={cfg.seq_len} needs more (add data or lower seq_len)")
         docs = load_documents(data_dir, "train")
         if docs is None or not len(docs["offset"]):  # a packing from before documents were recorded
             docs = {"offset": np.zeros(1, np.int64), "tokens": np.array([len(self.train)]),
