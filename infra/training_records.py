@@ -24,9 +24,11 @@ class MetricsFollower:
 
     Tracking never stops training: a failed send (the server gone, the store
     locked) keeps its points buffered and is retried at the next poll, so they land
-    once the server is back; the training result on disk is what counts. After a
-    resume or a rollback a step can appear twice; MLflow keeps both points, and the
-    later one is the one the run continued from.
+    once the server is back; the training result on disk is what counts. A rerun's
+    run holds the earlier attempts' points too, less those of the steps trained again
+    after the checkpoint it resumed from. After a rollback (or a resume whose earlier
+    points were already sent) a step can appear twice; MLflow keeps both points, and
+    the later one is the one the run continued from.
     """
 
     SKIP = {"step", "time", "batch_index", "world_size"}  # numbers that are coordinates, not metrics
@@ -81,6 +83,10 @@ class MetricsFollower:
                 continue
             if row.get("type") == "event":
                 self.events.append(row)
+                if row.get("event") == "resume" and isinstance(row.get("step"), int):
+                    # The steps after the checkpoint are trained again: an earlier attempt's
+                    # points for them (not sent yet: a rerun reads the file from its start) go.
+                    self.pending = [m for m in self.pending if m.step <= row["step"]]
                 continue
             if row.get("type") == "step" and self.on_step is not None and not earlier_attempt:
                 try:

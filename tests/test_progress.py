@@ -134,3 +134,19 @@ def test_a_resumed_run_shows_only_its_own_steps_and_sends_all(tmp_path):
     assert follower.read() > 0
     assert [r["step"] for r in seen] == [3, 4]
     assert sorted({m.step for m in follower.pending}) == [1, 2, 3, 4]
+
+
+def test_a_rerun_sends_each_step_of_the_curve_once(tmp_path):
+    """An attempt killed after step 5 that checkpointed at step 3: the rerun resumes at 3 and
+    trains 4-6 again; the run's curve holds steps 1-3 of the first attempt and 4-6 of the second."""
+    from crawl2chat.infra.training_records import MetricsFollower
+
+    path = tmp_path / "metrics.jsonl"
+    first = rows(5)
+    again = [{"type": "event", "event": "resume", "step": 3, "checkpoint": "step_00000003"},
+             *[{**r, "loss": 1.0} for r in rows(6)[3:]]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in first + again))
+    follower = MetricsFollower(path, "no-run", client=object())
+    follower.read()
+    losses = [(m.step, m.value) for m in follower.pending if m.key == "loss"]
+    assert losses == [(1, 4.9), (2, 4.8), (3, 4.7), (4, 1.0), (5, 1.0), (6, 1.0)]
