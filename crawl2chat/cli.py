@@ -404,7 +404,10 @@ def serve_flows(
 
     Example: PREFECT_API_URL=http://127.0.0.1:4200/api crawl2chat serve-flows --refresh-cron "0 3 * * *"
     """
-    configure_prefect_env()
+    configure_prefect_env(terse=False)
+    # Served runs beat every 30 s, so a run whose process died (a killed serve-flows, a lost
+    # machine) can be marked Crashed by the server's zombie-run automation (README).
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     from prefect import serve
 
     from crawl2chat.flows.data import data_flow

@@ -39,12 +39,15 @@ API_LOG = "logs/prefect-api.log"  # under the project folder
 _DB_NAME = "prefect.db"
 
 
-def configure_prefect_env(home: str | None = None) -> None:
+def configure_prefect_env(home: str | None = None, terse: bool = True) -> None:
     """Set Prefect's environment before it is imported.
 
     With no API server configured, the temporary server keeps its SQLite database
     under the project's home folder, so concurrent jobs of different projects do
-    not contend for one database in ``~/.prefect``.
+    not contend for one database in ``~/.prefect``. ``terse``: Prefect's own log lines
+    at WARNING and up (a command's terminal shows its stages' lines); off for
+    ``serve-flows``, whose runs' INFO lines (each task's start and end) are what a
+    run's page in the Prefect UI shows.
     """
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # The pipeline talks to its own services only: no usage reports to outside hosts.
@@ -57,8 +60,9 @@ def configure_prefect_env(home: str | None = None) -> None:
         prefect_home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level
         os.environ["PREFECT_HOME"] = str(prefect_home)
     # Flow-run logs go to the terminal through our own per-step lines; keep Prefect's terse.
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "false")
+    if terse:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("PREFECT_LOGGING_LOG_PRINTS", "false")
 
 
 class _EmbeddedAPI:

@@ -54,9 +54,14 @@ def check_workdir(directory: str) -> Path:
     path = Path(directory).expanduser().resolve()
     why = _unusable(path, create=False)
     if why:
-        raise FolderUnusable(
-            f"{WORKDIR_ENV}={directory} {why}: set it to a crawl2chat checkout this user can write in "
-            f"(the folder holding prefect.yaml) and restart the Prefect worker.")
+        if os.environ.get(WORKDIR_ENV) != directory:
+            # Set when `prefect deploy` ran, the value was stored in the deployment: the worker's is not read.
+            fix = (f"the deployment stored it when `prefect deploy` ran, so deploy again with {WORKDIR_ENV} "
+                   "set to a crawl2chat checkout this user can write in (or unset, to use the worker's own).")
+        else:
+            fix = ("set it to a crawl2chat checkout this user can write in (the folder holding prefect.yaml) "
+                   "and restart the Prefect worker.")
+        raise FolderUnusable(f"{WORKDIR_ENV}={directory} {why}: {fix}")
     return path
 
 
@@ -70,11 +75,33 @@ def enter_workdir(directory: str) -> dict[str, str]:
     except FolderUnusable as e:
         sys.stdout.flush()
         print(f"error: {e}", file=sys.stderr, flush=True)
+        _fail_flow_run(str(e))
         # The step runs in a thread of Prefect's engine: end the process itself, before
         # the engine adds a traceback after the sentence.
         os._exit(2)
     os.chdir(path)
     return {"directory": str(path)}
+
+
+def _fail_flow_run(sentence: str) -> None:
+    """Put the sentence where the Prefect UI shows it: the flow run's state (Failed) and
+    its logs. The process ends before Prefect's own log handler would send anything."""
+    run_id = os.environ.get("PREFECT__FLOW_RUN_ID")
+    if not run_id:
+        return
+    try:
+        from datetime import datetime, timezone
+
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import LogCreate
+        from prefect.states import Failed
+
+        with get_client(sync_client=True) as client:
+            client.create_logs([LogCreate(name="crawl2chat.workdir", level=40, message=sentence,
+                                          timestamp=datetime.now(timezone.utc), flow_run_id=run_id)])
+            client.set_flow_run_state(run_id, Failed(message=sentence), force=True)
+    except Exception:  # noqa: BLE001 - the sentence is on stderr and the exit status says it; the API is extra
+        pass
 
 
 def check_home(home: str) -> Path:

@@ -96,3 +96,44 @@ def test_folder_checks(tmp_path):
             check_workdir(str(locked))
         with pytest.raises(FolderUnusable, match="cannot be created"):
             check_home(str(locked / "home"))
+
+
+def test_a_deployment_that_stored_its_workdir_says_to_deploy_again(tmp_path, monkeypatch):
+    """Set when `prefect deploy` ran, the value is stored in the deployment and the worker's
+    own is not read: restarting the worker would not help, deploying again does."""
+    import pytest
+
+    from crawl2chat.infra.workdir import FolderUnusable, check_workdir
+
+    monkeypatch.setenv("CRAWL2CHAT_WORKDIR", str(tmp_path))  # the worker's: fine, and not the one used
+    with pytest.raises(FolderUnusable, match=r"the deployment stored it when `prefect deploy` ran, so deploy again"):
+        check_workdir(str(tmp_path / "gone"))
+
+
+def test_the_workdir_sentence_reaches_the_flow_runs_state_and_logs(prefect_api, tmp_path):
+    """The pull step ends its process before Prefect's log handler sends anything: the
+    sentence is put on the flow run itself (Failed, with it as the message) and in its logs,
+    where the Prefect UI shows them."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL
+
+    @flow(name="workdir-check")
+    def nothing() -> None:
+        pass
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(nothing)
+    missing = tmp_path / "no" / "checkout"
+    env = {**{k: v for k, v in os.environ.items() if k != "CRAWL2CHAT_WORKDIR"},
+           "CRAWL2CHAT_WORKDIR": str(missing), "PREFECT__FLOW_RUN_ID": str(run.id), "PREFECT_API_URL": PREFECT_API_URL.value()}
+    proc = subprocess.run([sys.executable, "-c", PULL.format(spec=str(ROOT / "prefect.yaml"))], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    sentence = proc.stderr.strip().splitlines()[-1].removeprefix("error: ")
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run.id).state
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+    assert state.type.value == "FAILED" and state.message == sentence
+    assert [log.message for log in logs] == [sentence]
