@@ -410,15 +410,9 @@ def serve_flows(
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     from prefect import serve
 
-    from crawl2chat.flows.data import data_flow
-    from crawl2chat.flows import pipeline
+    from crawl2chat.flows.deployments import served
 
-    serve(
-        pipeline.pipeline_flow.to_deployment(name="pipeline"),
-        data_flow.to_deployment(name="data-refresh", cron=refresh_cron, parameters={"refresh": True}),
-        pipeline.train_flow.to_deployment(name="train"),
-        *(f.to_deployment(name=name) for name, f in pipeline.STAGE_FLOWS.items()),
-    )
+    serve(*served(refresh_cron))
 
 
 from crawl2chat.serving_cli import register as _register_serving  # noqa: E402

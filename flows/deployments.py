@@ -45,6 +45,23 @@ def deployments() -> list[dict]:
     return [{**d, "work_pool": dict(WORK_POOL)} for d in fixed + stages]
 
 
+def served(refresh_cron: str = REFRESH_CRON) -> list:
+    """The deployments ``crawl2chat serve-flows`` serves: the same set as ``prefect.yaml``,
+    without a work pool, the data refresh on ``refresh_cron`` in UTC."""
+    from prefect.schedules import Cron
+
+    from crawl2chat.flows import pipeline
+    from crawl2chat.flows.data import data_flow
+
+    return [
+        pipeline.pipeline_flow.to_deployment(name="pipeline"),
+        data_flow.to_deployment(name="data-refresh", schedule=Cron(refresh_cron, timezone="UTC"),
+                                parameters={"refresh": True}),
+        pipeline.train_flow.to_deployment(name="train"),
+        *(f.to_deployment(name=name) for name, f in pipeline.STAGE_FLOWS.items()),
+    ]
+
+
 def prefect_yaml() -> str:
     import prefect
 

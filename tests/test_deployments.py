@@ -39,6 +39,18 @@ def test_prefect_yaml_is_made_from_the_training_registry():
         "prefect.yaml is stale: python -m crawl2chat.flows.deployments > prefect.yaml"
 
 
+def test_serve_flows_serves_the_same_deployments_with_the_refresh_in_utc():
+    """``crawl2chat serve-flows``' deployments: prefect.yaml's names and parameters, the data
+    refresh on the cron given, in UTC as prefect.yaml's (its help says UTC)."""
+    from crawl2chat.flows.deployments import deployments, served
+
+    built = {d.name: d for d in served("0 4 * * *")}
+    assert set(built) == {d["name"] for d in deployments()}
+    (schedule,) = built["data-refresh"].schedules
+    assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 4 * * *", "UTC")
+    assert built["data-refresh"].parameters == {"refresh": True}
+
+
 def test_every_registered_stage_has_settings_a_flow_and_a_command():
     from typer.main import get_command
 
