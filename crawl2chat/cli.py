@@ -91,7 +91,10 @@ def _prepare_services(cfg) -> None:
 
 @app.command()
 def data(
-    input: Optional[list[str]] = typer.Option(None, "--input", "-i", help="WARC/WET file, folder or quoted glob (repeatable); local or fsspec URL."),
+    paths: Optional[list[str]] = typer.Argument(
+        None, metavar="PATH", help="More WARC/WET files or folders, as --input (the files an unquoted "
+        "glob after --input expands to land here)."),
+    input: Optional[list[str]] = typer.Option(None, "--input", "-i", help="WARC/WET file, folder or glob (repeatable); local or fsspec URL."),
     seed_url: Optional[list[str]] = typer.Option(None, "--seed-url", help="Crawl from this URL first (repeatable)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Output folder."),
     refresh: bool = typer.Option(False, "--refresh", help="Add only new/changed pages to the dataset in --out as a new version."),
@@ -100,9 +103,10 @@ def data(
 ) -> None:
     """Web pages -> clean, language-tagged, deduplicated Parquet shards (a new dataset version).
 
-    Example: crawl2chat data --input crawl/ --out runs/data   (a folder, or a quoted glob: --input 'crawl/*.warc.gz'; add --refresh for a new version)
+    Example: crawl2chat data --input crawl/*.warc.gz --out runs/data   (add --refresh for a new version)
     """
-    cfg = _load(config, {"data.inputs": input, "data.seed_urls": seed_url, "data.out": out,
+    inputs = [*(input or []), *(paths or [])]
+    cfg = _load(config, {"data.inputs": inputs, "data.seed_urls": seed_url, "data.out": out,
                          "data.refresh": True if refresh else None}, set_)
     _prepare_services(cfg)
     from crawl2chat.flows.data import data_flow

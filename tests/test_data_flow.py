@@ -61,7 +61,8 @@ def test_a_build_that_keeps_nothing_commits_nothing(shared_data, tmp_path):
     bad = tmp_path / "random.warc.gz"
     bad.write_bytes(bytes(range(256)) * 20)
     out = tmp_path / "out"
-    first = subprocess.run(CLI + ["data", "--input", str(good), "--input", str(bad), "--out", str(out)], cwd=tmp_path,
+    # Two files after one --input, as an unquoted glob expands: the second is an input too.
+    first = subprocess.run(CLI + ["data", "--input", str(good), str(bad), "--out", str(out)], cwd=tmp_path,
                            env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     # The good file's documents are kept; the summary names the file it could not read.
