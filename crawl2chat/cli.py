@@ -403,6 +403,10 @@ def lineage(
 @app.command("serve-flows")
 def serve_flows(
     refresh_cron: str = typer.Option("0 3 * * *", "--refresh-cron", help="Cron schedule of the data refresh (UTC)."),
+    crash_after: int = typer.Option(
+        90, "--crash-after",
+        help="Seconds without a heartbeat after which the server marks a crawl2chat flow run Crashed "
+             "(a Prefect automation this command creates or updates; 0: leave the server's automations alone)."),
 ) -> None:
     """Serve the pipeline, data-refresh, train and single-stage flows to a Prefect server (set PREFECT_API_URL).
 
@@ -410,12 +414,29 @@ def serve_flows(
     """
     configure_prefect_env(terse=False)
     # Served runs beat every 30 s, so a run whose process died (a killed serve-flows, a lost
-    # machine) can be marked Crashed by the server's zombie-run automation (README).
+    # machine) is marked Crashed by the automation below instead of showing Running for ever.
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
+    from crawl2chat.flows.automations import NAME, crash_after_problem, ensure_crash_automation
+
+    problem = crash_after_problem(crash_after)
+    if problem:
+        _fail(f"--crash-after {problem}.", 2)
     from prefect import serve
+    from prefect.settings import get_current_settings
 
     from crawl2chat.flows.deployments import served
 
+    api = get_current_settings().api.url  # the environment's, or the active Prefect profile's
+    if not api:
+        _fail("serve-flows needs a Prefect server: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api "
+              "after `prefect server start`).", 2)
+    if crash_after:
+        try:
+            ensure_crash_automation(crash_after)
+        except Exception as e:  # noqa: BLE001 - unreachable or refusing server: one sentence
+            _fail(f"could not create the automation '{NAME}' on the Prefect server {api}: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 2)
+        typer.echo(f"automation '{NAME}': flow runs silent for {crash_after} s are marked Crashed")
     serve(*served(refresh_cron))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import yaml
 
+from crawl2chat.flows.automations import TAG
 from crawl2chat.stages.training.registry import STAGES
 
 WORK_POOL = {"name": "crawl2chat"}
@@ -42,23 +43,24 @@ def deployments() -> list[dict]:
     ]
     stages = [{"name": s.name, "description": s.goal, "entrypoint": f"flows/pipeline.py:{s.name}_flow"}
               for s in STAGES.values()]
-    return [{**d, "work_pool": dict(WORK_POOL)} for d in fixed + stages]
+    return [{**d, "tags": [TAG], "work_pool": dict(WORK_POOL)} for d in fixed + stages]
 
 
 def served(refresh_cron: str = REFRESH_CRON) -> list:
     """The deployments ``crawl2chat serve-flows`` serves: the same set as ``prefect.yaml``,
-    without a work pool, the data refresh on ``refresh_cron`` in UTC."""
+    without a work pool, the data refresh on ``refresh_cron`` in UTC; each tagged
+    ``crawl2chat`` (:mod:`crawl2chat.flows.automations` watches the runs so tagged)."""
     from prefect.schedules import Cron
 
     from crawl2chat.flows import pipeline
     from crawl2chat.flows.data import data_flow
 
     return [
-        pipeline.pipeline_flow.to_deployment(name="pipeline"),
+        pipeline.pipeline_flow.to_deployment(name="pipeline", tags=[TAG]),
         data_flow.to_deployment(name="data-refresh", schedule=Cron(refresh_cron, timezone="UTC"),
-                                parameters={"refresh": True}),
-        pipeline.train_flow.to_deployment(name="train"),
-        *(f.to_deployment(name=name) for name, f in pipeline.STAGE_FLOWS.items()),
+                                parameters={"refresh": True}, tags=[TAG]),
+        pipeline.train_flow.to_deployment(name="train", tags=[TAG]),
+        *(f.to_deployment(name=name, tags=[TAG]) for name, f in pipeline.STAGE_FLOWS.items()),
     ]
 
 

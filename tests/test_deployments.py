@@ -49,6 +49,9 @@ def test_serve_flows_serves_the_same_deployments_with_the_refresh_in_utc():
     (schedule,) = built["data-refresh"].schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 4 * * *", "UTC")
     assert built["data-refresh"].parameters == {"refresh": True}
+    # Tagged, as prefect.yaml's: the crash automation watches the runs so tagged.
+    assert all(d.tags == ["crawl2chat"] for d in built.values())
+    assert all(d["tags"] == ["crawl2chat"] for d in deployments())
 
 
 def test_every_registered_stage_has_settings_a_flow_and_a_command():
