@@ -77,7 +77,7 @@ def _build(config: Config, out: str) -> dict:
     files = t.list_inputs(data.inputs)
     if data.seed_urls or not data.inputs:
         crawl_cfg = data.crawl.model_copy(update={"seed_urls": data.seed_urls or data.crawl.seed_urls})
-        files += t.crawl_task(crawl_cfg, out, data.refresh)
+        files += t.crawl_task(crawl_cfg, out, data.refresh, only_input=not files)
     plan = t.plan_version_task(out, files, build_settings(data), data.refresh, data.previous_index)
     if plan.up_to_date:
         manifest = t.current_version_task(out, plan)

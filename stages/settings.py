@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from crawl2chat.stages.data.settings import (AugmentConfig, BalanceConfig, CrawlConfig, DedupConfig, ExtractConfig, LangIdConfig,
-                                             QualityConfig, ReviewConfig)
+                                             QualityConfig, ReviewConfig, check_seed_urls)
 from crawl2chat.stages.training.registry import STAGES
 from crawl2chat.stages.training.settings import DPOConfig, PPOConfig, PretrainConfig, RewardConfig, SFTConfig
 from crawl2chat.stages.training.settings import ContrastiveConfig, DistillConfig, MLMConfig, SpanConfig
@@ -189,7 +189,10 @@ class DataConfig(BaseModel):
         description="Further dedup index folders (e.g. another dataset's versions/<v>/dedup_index) to deduplicate against.",
     )
     # The embedded documentation site has ~950 pages within reach (test suites excluded).
-    crawl: CrawlConfig = Field(default_factory=lambda: CrawlConfig(max_pages=1200))
+    crawl: CrawlConfig = Field(
+        default_factory=lambda: CrawlConfig(max_pages=1200),
+        description="The crawl of seed_urls (or of the local documentation server); here max_pages is "
+        "1200 unless set (the documentation server has ~950 pages within reach).")
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     langid: LangIdConfig = Field(default_factory=LangIdConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
@@ -198,6 +201,11 @@ class DataConfig(BaseModel):
     augment: AugmentConfig = Field(default_factory=AugmentConfig, description="Augmented copies of kept documents "
                                    "(noise, synonyms, back-translation); off by default.")
     review: ReviewConfig = Field(default_factory=ReviewConfig)
+
+    @field_validator("seed_urls")
+    @classmethod
+    def _check_seeds(cls, seeds: list[str]) -> list[str]:
+        return check_seed_urls(seeds)
 
     @field_validator("out")
     @classmethod

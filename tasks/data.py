@@ -84,83 +84,6 @@ def _print_step(result: StepResult) -> None:
           flush=True)
 
 
-CRAWL_MARKER = "_SUCCESS.json"  # in OUT/crawl: the settings of the last finished crawl
-
-
-@task(name="crawl", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False) -> list[str]:
-    """Crawl the seed URLs (or the local documentation server) into WARC files.
-
-    A finished crawl with the same settings is not repeated unless ``refresh``
-    asks for a re-crawl (conditional requests: only new and changed pages are
-    downloaded again). Returns every WARC file of the crawl folder.
-    """
-    from crawl2chat.stages.data.crawl import crawl
-    from crawl2chat.stages.data.local_site import PydocSite
-
-    params = crawl_cfg.model_dump()
-    crawl_dir = Path(out_dir) / "crawl"
-    marker = crawl_dir / CRAWL_MARKER
-    settings = json.dumps(params, sort_keys=True, default=str)
-    try:
-        finished = json.loads(marker.read_text()).get("settings") == settings
-    except (OSError, ValueError):
-        finished = False
-    if finished and not refresh:
-        warcs = sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
-        print(f"[data] crawl    already done with these settings ({len(warcs)} WARC files); "
-              "--refresh re-crawls", flush=True)
-        return warcs
-    progress = StepProgress("data", crawl_cfg.max_pages, unit="pages")
-
-    def on_page(result) -> None:
-        progress({"step": result.pages_fetched, "megabytes": result.bytes_fetched / 2**20})
-
-    with stage_run("crawl", {"crawl": params, "refresh": refresh}):
-        if crawl_cfg.seed_urls:
-            result = crawl(crawl_cfg, crawl_dir, on_page)
-        else:
-            # The site keeps its address (or, when that port is taken, its recorded
-            # identity through site_aliases) between runs, so a refresh finds its pages unchanged.
-            with PydocSite(identity_file=crawl_dir / PydocSite.IDENTITY_FILE) as site:
-                # The documentation server runs on this machine for this job alone:
-                # no politeness gap is owed to it.
-                cfg = crawl_cfg.model_copy(
-                    update={
-                        "seed_urls": [site.url],
-                        "per_host_delay_s": 0.0,
-                        "site_aliases": {**crawl_cfg.site_aliases, **site.aliases},
-                        # Test suites, IDE internals and codec tables are slow to render and
-                        # teach little; a user's own patterns replace these.
-                        "exclude_url_patterns": crawl_cfg.exclude_url_patterns or list(PydocSite.LOW_VALUE_PAGES),
-                    }
-                )
-                print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)
-                result = crawl(cfg, crawl_dir, on_page)
-        progress.close()
-        report = result.to_dict()
-        mlflow.log_metrics(
-            {
-                "pages_fetched": result.pages_fetched,
-                "pages_not_modified": result.pages_not_modified,
-                "mb_fetched": result.bytes_fetched / 2**20,
-                **{f"skipped.{metric_name(k)}": v for k, v in result.skipped.items()},
-            }
-        )
-        mlflow.log_dict(mask_secrets(report), "crawl_report.json")
-        print(f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
-              f"{len(result.warc_paths)} WARC files", flush=True)
-    if result.pages_fetched + result.pages_not_modified == 0:
-        # Nothing answered (a site down, robots.txt unreachable): not done, the next run crawls again.
-        print(f"[data] crawl    got no page ({dict(result.skipped)}); not marked done", flush=True)
-    else:
-        tmp = marker.with_name(marker.name + ".tmp")
-        tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time()}))
-        os.replace(tmp, marker)
-    # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
-    return sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
-
-
 # A step's errors that its retry would meet again: the input or settings are wrong, the
 # folder is damaged, nothing usable is left.
 LASTING_ERRORS = (NothingUsableError, DamagedDataError, SettingsError, FileNotFoundError, NotADirectoryError,
@@ -178,6 +101,135 @@ def retry_unless_lasting(task, task_run, state) -> bool:  # noqa: ARG001 - Prefe
     except BaseException as e:  # noqa: BLE001 - the step's own error decides
         return exhaustion(e) is None
     return False
+
+
+CRAWL_MARKER = "_SUCCESS.json"  # in OUT/crawl: the settings of the last finished crawl
+
+
+@task(name="crawl", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_lasting,
+      cache_policy=NO_CACHE)
+def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: bool = False) -> list[str]:
+    """Crawl the seed URLs (or the local documentation server) into WARC files.
+
+    A finished crawl with the same settings is not repeated unless ``refresh``
+    asks for a re-crawl (conditional requests: only new and changed pages are
+    downloaded again); the pages it could not fetch for a passing reason (the site
+    down or overloaded, a connection cut) are asked for again, with the links of
+    what they then give. Returns every WARC file of the crawl folder; with
+    ``only_input`` (no other input), a crawl that leaves none raises
+    NothingUsableError saying why its pages were not fetched.
+    """
+    from crawl2chat.stages.data.crawl import crawl
+    from crawl2chat.stages.data.local_site import PydocSite
+
+    params = crawl_cfg.model_dump()
+    crawl_dir = Path(out_dir) / "crawl"
+    marker = crawl_dir / CRAWL_MARKER
+    settings = json.dumps(params, sort_keys=True, default=str)
+    try:
+        done = json.loads(marker.read_text())
+        finished = done.get("settings") == settings
+    except (OSError, ValueError, AttributeError):
+        done, finished = {}, False
+    only = [tuple(entry) for entry in done.get("retry", [])] if finished and not refresh else None
+    if finished and not refresh and not only:
+        warcs = sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
+        print(f"[data] crawl    already done with these settings ({len(warcs)} WARC files); "
+              "--refresh re-crawls", flush=True)
+        return warcs
+    if only:
+        print(f"[data] crawl    asking again for the {len(only)} pages the last crawl could not fetch "
+              "(--refresh re-crawls every page)", flush=True)
+    progress = StepProgress("data", None, unit="pages")  # max_pages is a cap, not the site's size
+
+    def on_page(result) -> None:
+        progress({"step": result.pages_fetched, "megabytes": result.bytes_fetched / 2**20})
+
+    with stage_run("crawl", {"crawl": params, "refresh": refresh}):
+        if crawl_cfg.seed_urls:
+            result = crawl(crawl_cfg, crawl_dir, on_page, only)
+        else:
+            # The site keeps its address (or, when that port is taken, its recorded
+            # identity through site_aliases) between runs, so a refresh finds its pages unchanged.
+            with PydocSite(identity_file=crawl_dir / PydocSite.IDENTITY_FILE) as site:
+                # The documentation server runs on this machine for this job alone:
+                # no politeness gap is owed to it.
+                cfg = crawl_cfg.model_copy(
+                    update={
+                        "seed_urls": [site.url],
+                        "per_host_delay_s": 0.0,
+                        "site_aliases": {**crawl_cfg.site_aliases, **site.aliases},
+                        # Test suites, IDE internals and codec tables are slow to render and
+                        # teach little; a user's own patterns replace these.
+                        "exclude_url_patterns": crawl_cfg.exclude_url_patterns or list(PydocSite.LOW_VALUE_PAGES),
+                    }
+                )
+                print(f"[data] crawling the local Python documentation server at {site.url}", flush=True)
+                result = crawl(cfg, crawl_dir, on_page, only)
+        progress.close()
+        report = result.to_dict()
+        mlflow.log_metrics(
+            {
+                "pages_fetched": result.pages_fetched,
+                "pages_not_modified": result.pages_not_modified,
+                "mb_fetched": result.bytes_fetched / 2**20,
+                **{f"skipped.{metric_name(k)}": v for k, v in result.skipped.items()},
+            }
+        )
+        mlflow.log_dict(mask_secrets(report), "crawl_report.json")
+        print(crawl_summary(result, crawl_dir), flush=True)
+    warcs = sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
+    if result.pages_fetched + result.pages_not_modified == 0 and only is None:
+        # Nothing answered (a site down, robots.txt unreachable): not done, the next run crawls again.
+        if only_input and not warcs:
+            raise NothingUsableError(nothing_fetched_sentence(result, crawl_dir))
+        print("[data] crawl    got no page; not marked done, the next run crawls again", flush=True)
+    else:
+        tmp = marker.with_name(marker.name + ".tmp")
+        tmp.write_text(json.dumps({"settings": settings, "finished_at": time.time(),
+                                   "retry": [list(entry) for entry in result.retry]}))
+        os.replace(tmp, marker)
+        if result.retry:
+            print(f"[data] crawl    {len(result.retry)} pages could not be fetched for now; the next run "
+                  "asks for them again", flush=True)
+    # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
+    return warcs
+
+
+# What a crawl's skip reasons mean to someone who sees only the counts.
+_WHY_NOT_FETCHED = {
+    "robots_unavailable": "its robots.txt did not answer, so the site counts as disallowed (RFC 9309)",
+    "connection_error": "the connection was refused or cut",
+    "timeout": "no answer within data.crawl.request_timeout_s",
+    "robots": "robots.txt disallows it",
+    "bad_url": "it is not an http(s) URL",
+    "excluded": "data.crawl.exclude_url_patterns excludes it",
+    "blocked_address": "it resolves to an address the crawl may not connect to",
+}
+
+
+def nothing_fetched_sentence(result, crawl_dir: Path) -> str:
+    """Why a crawl that was the only input got no page, in one sentence."""
+    reasons = sorted(result.skipped.items(), key=lambda kv: -kv[1])
+    if not reasons:
+        why = "no page answered"
+    else:
+        top, _ = reasons[0]
+        why = ", ".join(f"{reason} {n}" for reason, n in reasons)
+        if top in _WHY_NOT_FETCHED:
+            why += f": {_WHY_NOT_FETCHED[top]}"
+    return (f"The crawl got no page ({why}); nothing was built, see {crawl_dir / 'crawl_report.json'}.")
+
+
+def crawl_summary(result, crawl_dir: Path) -> str:
+    """``[data] crawl  7 pages fetched, 0 unchanged, 1 WARC files; not fetched: connection_error 20,
+    off_domain 4 (see .../crawl_report.json)``."""
+    line = (f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
+            f"{len(result.warc_paths)} WARC files")
+    if result.skipped:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(result.skipped.items(), key=lambda kv: -kv[1]))
+        line += f"; not fetched: {reasons} (see {crawl_dir / 'crawl_report.json'})"
+    return line
 
 
 def _step_task(name: str):

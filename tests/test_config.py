@@ -84,6 +84,13 @@ def test_out_of_range_training_settings_are_refused_naming_the_field(override, f
         load_config(overrides=dict([parse_override(override)]))
 
 
+@pytest.mark.parametrize("override", ['data.seed_urls=["ftp://127.0.0.1/"]', 'data.seed_urls=["127.0.0.1:8000"]',
+                                      'data.crawl.seed_urls=["not a url"]', 'data.seed_urls=["file:///etc/passwd"]'])
+def test_a_seed_that_is_not_an_http_url_is_refused_naming_the_field(override):
+    with pytest.raises(SettingsError, match=r"seed_urls.*is not an http\(s\) URL with a host"):
+        load_config(overrides=dict([parse_override(override)]))
+
+
 def test_decoder_presets_are_the_models_presets():
     from crawl2chat.stages.training.models import PRESETS
     from crawl2chat.stages.training.settings import DECODER_PRESETS

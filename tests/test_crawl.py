@@ -314,6 +314,133 @@ def test_max_total_bytes_stops_queueing(tmp_path):
     assert result.skipped["max_total_bytes"] == 11  # /p1 and /f0../f9
 
 
+def test_max_total_bytes_holds_for_pages_already_waiting_for_the_host(tmp_path):
+    """Pages queued before the budget ran out and waiting at the politeness gate are not
+    fetched once it has: the crawl goes over by at most the requests in flight."""
+    with LocalServer(chain_routes(3)) as server:
+        first_page = crawl(quick_config(server.url + "/p0", max_pages=1, global_concurrency=1), tmp_path / "one")
+        cfg = quick_config(server.url + "/p0", max_total_bytes=first_page.bytes_fetched + 1, global_concurrency=16,
+                           per_host_concurrency=2, per_host_delay_s=0.05)
+        result = crawl(cfg, tmp_path / "all")
+    # /p0, then at most the two requests in flight when the budget ran out (11 were queued).
+    assert result.pages_fetched <= 3
+    assert result.skipped["max_total_bytes"] >= 9
+
+
+def test_exclude_patterns_hold_for_redirect_targets(tmp_path):
+    async def moved(request: web.Request) -> web.Response:
+        raise web.HTTPFound("/skip/page")
+
+    async def page(request: web.Request) -> web.Response:
+        return html("/go", text="a page")
+
+    with LocalServer([web.get("/", page), web.get("/go", moved), web.get("/skip/page", page)]) as server:
+        result = crawl(quick_config(server.url + "/", exclude_url_patterns=["/skip/"]), tmp_path)
+        assert "/skip/page" not in server.paths()
+    assert result.pages_fetched == 1 and result.skipped["excluded"] == 1
+
+
+def test_pages_that_failed_for_a_passing_reason_are_asked_for_again(tmp_path, capsys):
+    """The data stage's crawl task: a page the site could not serve (503 after the retries)
+    is on the done marker's retry list; the next run asks for it alone, follows its links,
+    and stores what it gives in a new WARC file; the run after that has nothing to ask."""
+    import mlflow
+
+    from crawl2chat.infra.tracking import setup_tracking
+    from crawl2chat.tasks.data import CRAWL_MARKER, crawl_task
+
+    down = {"/a"}
+
+    async def page(request: web.Request) -> web.Response:
+        if request.path in down:
+            raise web.HTTPServiceUnavailable()
+        links = {"/": ["/a", "/b"], "/a": ["/c"]}.get(request.path, [])
+        return html(*links, text=f"page {request.path}")
+
+    setup_tracking(tmp_path, "crawl", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    routes = [web.get(p, page) for p in ("/", "/a", "/b", "/c")]
+    try:
+        with LocalServer(routes) as server:
+            cfg = quick_config(server.url + "/", max_retries=0)
+            first = crawl_task.fn(cfg, str(tmp_path / "out"))
+            marker = json.loads((tmp_path / "out" / "crawl" / CRAWL_MARKER).read_text())
+            assert marker["retry"] == [[server.url + "/a", 1]]
+            assert "1 pages could not be fetched for now; the next run asks for them again" in capsys.readouterr().out
+            down.clear()
+            asked = len(server.requests)
+            second = crawl_task.fn(cfg, str(tmp_path / "out"))
+            assert sorted(server.paths()[asked:]) == ["/a", "/c", "/robots.txt"]  # robots.txt read afresh
+            assert "asking again for the 1 pages the last crawl could not fetch" in capsys.readouterr().out
+            asked = len(server.requests)
+            assert crawl_task.fn(cfg, str(tmp_path / "out")) == second
+            assert server.paths()[asked:] == []
+    finally:
+        mlflow.set_tracking_uri(None)
+    (added,) = set(second) - set(first)
+    with open(added, "rb") as fh:
+        stored = [r.rec_headers.get_header("WARC-Target-URI") for r in ArchiveIterator(fh) if r.rec_type == "response"]
+    assert sorted(stored) == [server.url + "/a", server.url + "/c"]
+    assert json.loads((tmp_path / "out" / "crawl" / CRAWL_MARKER).read_text())["retry"] == []
+
+
+TEXT = ("Tomatoes need a sunny place and water at the roots in the morning, not on the leaves. Beans climb "
+        "whatever they find, so give them poles before they start. Lettuce grows quickly in spring and turns "
+        "bitter in the heat of summer, when it flowers. Carrots like loose soil without stones; in heavy clay "
+        "they split and fork. Mulch keeps the ground moist and the weeds down, and worms turn it into soil over "
+        "the winter. A small pond brings frogs, and frogs eat the slugs that would otherwise eat the seedlings.")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_data_command_commits_its_crawl_state_with_its_warc_files(tmp_path, sig):
+    """SIGTERM or Ctrl-C to ``crawl2chat data`` mid-crawl: the pages written so far and the
+    state that knows them commit together, so the rerun sends conditional requests for
+    them and stores no page twice."""
+    count = 30
+
+    async def page(request: web.Request) -> web.Response:
+        n = int(request.match_info["n"] or 0)
+        body = (f"<html><body><p>This is page {n} of a small site about gardens. {TEXT}</p>"
+                + "".join(f'<a href="/{i}">{i}</a>' for i in range(count)) + "</body></html>")
+        etag = f'"p{n}"'
+        if request.headers.get("If-None-Match") == etag:
+            return web.Response(status=304, headers={"ETag": etag})
+        return web.Response(text=body, content_type="text/html", headers={"ETag": etag})
+
+    async def no_robots(request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    command = [str(Path(sys.executable).parent / "crawl2chat"), "data", "--out", "out"]
+    with LocalServer([web.get("/robots.txt", no_robots), web.get("/{n:\\d*}", page)]) as server:
+        command += ["--seed-url", server.url + "/", "--set", "data.crawl.per_host_delay_s=0.15",
+                    "--set", "data.crawl.per_host_concurrency=1", "--set", "data.crawl.checkpoint_pages=1000"]
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while len(server.requests) < 10 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0, out.decode()[-2000:]
+        crawl_dir = tmp_path / "out" / "crawl"
+        state = json.loads((crawl_dir / "crawl_state.json").read_text())
+
+        def responses() -> list[str]:
+            uris = []
+            for path in sorted((crawl_dir / "warc").glob("*.warc.gz")):
+                with open(path, "rb") as fh:
+                    uris += [r.rec_headers.get_header("WARC-Target-URI") for r in ArchiveIterator(fh)
+                             if r.rec_type == "response"]
+            return uris
+
+        stored = responses()
+        assert 0 < len(stored) < count and sorted(stored) == sorted(state)
+        asked = len(server.requests)
+        rerun = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert sorted(responses()) == sorted({server.url + "/"} | {f"{server.url}/{i}" for i in range(count)})
+    assert len(server.requests) - asked == count + 2  # robots.txt, /, /0 .. /29: each page asked for once
+    assert not list((crawl_dir / "warc").glob("*.tmp"))
+
+
 def test_max_pages_limit(tmp_path):
     with LocalServer(chain_routes(6)) as server:
         result = crawl(quick_config(server.url + "/p0", max_pages=5), tmp_path)
@@ -396,9 +523,11 @@ def test_robots_crawl_delay_wins_over_configured_delay(tmp_path):
 
     with LocalServer([web.get("/robots.txt", robots), web.get("/{n:\\d*}", page)]) as server:
         result = crawl(quick_config(server.url + "/", per_host_delay_s=0.01), tmp_path)
-        starts = [t for path, t in server.requests if path != "/robots.txt"]
+        starts = [t for _, t in server.requests]
     assert result.pages_fetched == 2
-    assert starts[1] - starts[0] >= 0.6
+    assert [path for path, _ in server.requests] == ["/robots.txt", "/", "/1"]
+    # robots.txt's own request counts: the first page waits the Crawl-delay too.
+    assert min(later - earlier for earlier, later in zip(starts, starts[1:])) >= 0.6
 
 
 def test_failing_robots_disallows_the_site(tmp_path):
@@ -913,6 +1042,7 @@ def test_crawl_that_got_nothing_is_not_marked_done(tmp_path):
     import mlflow
 
     from crawl2chat.infra.tracking import setup_tracking
+    from crawl2chat.stages.data.pipeline import NothingUsableError
     from crawl2chat.tasks.data import CRAWL_MARKER, crawl_task
 
     with LocalServer([]) as server:
@@ -923,6 +1053,12 @@ def test_crawl_that_got_nothing_is_not_marked_done(tmp_path):
         cfg = quick_config(dead_url)
         assert crawl_task.fn(cfg, str(tmp_path / "out")) == []
         assert not (tmp_path / "out" / "crawl" / CRAWL_MARKER).exists()
+        # The crawl as the only input: the build stops with why no page was fetched.
+        with pytest.raises(NothingUsableError) as err:
+            crawl_task.fn(cfg, str(tmp_path / "out"), only_input=True)
+        assert str(err.value) == (
+            "The crawl got no page (robots_unavailable 1: its robots.txt did not answer, so the site counts as "
+            f"disallowed (RFC 9309)); nothing was built, see {tmp_path / 'out' / 'crawl' / 'crawl_report.json'}.")
     finally:
         mlflow.set_tracking_uri(None)
 

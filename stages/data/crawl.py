@@ -96,6 +96,13 @@ RETRY_STATUSES = frozenset({429, 503})
 POLICY_SKIPS = frozenset(
     {"robots", "off_domain", "excluded", "depth", "max_pages", "max_total_bytes", "content_type", "redirect_seen"}
 )
+# Reasons a later request may not meet again: the site down or overloaded, a connection cut.
+TRANSIENT_SKIPS = frozenset({"connection_error", "timeout", "payload_error", "robots_unavailable", "http_429"})
+
+
+def transient(reason: str) -> bool:
+    """Whether a URL skipped for ``reason`` is worth asking for again on the next run."""
+    return reason in TRANSIENT_SKIPS or reason.startswith("http_5")
 
 
 # ----------------------------------------------------------------------------- settings
@@ -112,12 +119,15 @@ class CrawlResult:
     changed_urls: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    # Frontier entries (URL, depth) that failed for a transient reason: a rerun asks for them again.
+    retry: list[tuple[str, int]] = field(default_factory=list)
     started_at: str = ""
     elapsed_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["errors"] = [list(e) for e in self.errors]
+        out["retry"] = [list(e) for e in self.retry]
         return out
 
 
@@ -457,12 +467,22 @@ class RotatingWarcWriter:
         return self._writer or self._open()
 
     def write(self, *records: Any) -> None:
-        """Write one record, or a request/response pair (request first), to the current file."""
+        """Write one record, or a request/response pair (request first), to the current file.
+
+        Records are whole or absent: one cut short by an exception (a signal turned into
+        one: SIGTERM, Ctrl-C) is cut back out, so the file can still be closed into place."""
         writer = self.writer
-        if len(records) == 2:
-            writer.write_request_response_pair(*records)
-        else:
-            writer.write_record(records[0])
+        start = self._file.tell()
+        try:
+            if len(records) == 2:
+                writer.write_request_response_pair(*records)
+            else:
+                writer.write_record(records[0])
+        except BaseException:
+            self._file.flush()
+            self._file.truncate(start)
+            self._file.seek(start)
+            raise
         if self._file is not None and self._file.tell() >= self.max_bytes:
             self.close()
 
@@ -574,8 +594,13 @@ class Crawler:
     session: aiohttp.ClientSession  # open for the duration of run()
 
     def __init__(self, cfg: CrawlConfig, out_dir: str | Path,
-                 on_page: Callable[[CrawlResult], None] | None = None) -> None:
+                 on_page: Callable[[CrawlResult], None] | None = None,
+                 only: Iterable[tuple[str, int]] | None = None) -> None:
         self.on_page = on_page  # told after each stored page (progress display)
+        # Frontier entries to fetch instead of the seeds (an earlier crawl's retry list, URLs as
+        # recorded); the pages the state knows are not fetched again.
+        self.only = None if only is None else [(str(u), int(d)) for u, d in only]
+        self.retry: dict[str, int] = {}
         self.cfg = cfg
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -639,10 +664,14 @@ class Crawler:
         _write_json_atomically(self.out_dir / STATE_FILE, self.state)
         self.pages_since_checkpoint = 0
 
-    def _skip(self, url: str, reason: str) -> None:
+    def _skip(self, url: str, reason: str, retry_depth: int | None = None) -> None:
+        """Count ``url`` as not fetched; with ``retry_depth``, a transient ``reason`` puts
+        the frontier entry on the retry list (``retry_depth`` is its depth)."""
         self.skipped[reason] += 1
         if reason not in POLICY_SKIPS and len(self.result.errors) < MAX_ERRORS_KEPT:
             self.result.errors.append((url, reason))
+        if retry_depth is not None and transient(reason):
+            self.retry[url] = retry_depth
 
     def _recorded(self, url: str) -> str:
         """The URL as WARC records and the state name it (``site_aliases`` applied)."""
@@ -764,6 +793,7 @@ class Crawler:
         if delay:
             gate = self._gate(site)
             gate.delay_s = max(gate.delay_s, float(delay))
+            gate.defer(float(delay))  # robots.txt's own request counts: the first page waits too
         return RobotsRules(parser=parser)
 
     async def _get_robots(self, url: str) -> tuple[int, str | None, str | None, bytes | None]:
@@ -813,6 +843,9 @@ class Crawler:
         fetched = Fetched(url=url)
         try:
             async with self._gate(url).slot():
+                if self.result.bytes_fetched >= self.cfg.max_total_bytes:  # reached while this one waited
+                    fetched.skip = "max_total_bytes"
+                    return fetched
                 async with self.session.get(
                     url, allow_redirects=False, headers=self._conditional_headers(url)
                 ) as resp:
@@ -891,7 +924,7 @@ class Crawler:
     async def _visit(self, url: str, depth: int) -> None:
         verdict = await self._robots_verdict(url)
         if verdict:
-            self._skip(url, verdict)
+            self._skip(url, verdict, depth)
             return
         if self.result.bytes_fetched >= self.cfg.max_total_bytes:
             self._skip(url, "max_total_bytes")
@@ -916,13 +949,15 @@ class Crawler:
         while True:
             fetched = await self._request(current)
             if fetched.skip:
-                self._skip(current, fetched.skip)
+                self._skip(current, fetched.skip, depth)
+                self._retry_from(url, current)
                 return False
             if fetched.status in RETRY_STATUSES:
                 if self._back_off(current, fetched.header("Retry-After"), retries):
                     retries += 1
                     continue
-                self._skip(current, f"http_{fetched.status}")
+                self._skip(current, f"http_{fetched.status}", depth)
+                self._retry_from(url, current)
                 return False
             location = fetched.header("Location")
             if fetched.status in REDIRECT_STATUSES and location:
@@ -937,13 +972,17 @@ class Crawler:
                 if not self.scope.allows(target):
                     self._skip(target, "off_domain")
                     return False
+                if self.excluded is not None and self.excluded.search(target):
+                    self._skip(target, "excluded")
+                    return False
                 if target in self.seen:
                     self._skip(target, "redirect_seen")
                     return False
                 self.seen.add(target)
                 verdict = await self._robots_verdict(target)
                 if verdict:
-                    self._skip(target, verdict)
+                    self._skip(target, verdict, depth)
+                    self._retry_from(url, target)
                     return False
                 current, retries = target, 0
                 continue
@@ -951,10 +990,17 @@ class Crawler:
                 self._not_modified(fetched, depth)
                 return True
             if fetched.status != 200:
-                self._skip(current, f"http_{fetched.status}")
+                self._skip(current, f"http_{fetched.status}", depth)
+                self._retry_from(url, current)
                 return False
             self._page(fetched, depth)
             return True
+
+    def _retry_from(self, url: str, reached: str) -> None:
+        """A redirect chain from ``url`` failed at ``reached``: the retry asks for ``url`` again
+        (the chain's later hops are in ``seen`` and would otherwise count as redirect_seen)."""
+        if reached != url and reached in self.retry:
+            self.retry[url] = self.retry.pop(reached)
 
     def _not_modified(self, fetched: Fetched, depth: int) -> None:
         key = self._recorded(fetched.url)
@@ -1069,7 +1115,14 @@ class Crawler:
         self._discard_unfinished()
         self.old_state = self._load_state()
         self.state = dict(self.old_state)
-        for seed in self.cfg.seed_urls:
+        if self.only is not None:
+            # Pages already stored are not asked for again; links found on the retried ones are followed.
+            self.seen.update(self._fetchable(url) for url in self.old_state)
+            for recorded, depth in self.only:
+                url = self._fetchable(recorded)
+                self.seen.discard(url)
+                self._enqueue(url, depth)
+        for seed in self.cfg.seed_urls if self.only is None else ():
             url = normalize_url(seed)
             if url is None:
                 self._skip(seed, "bad_url")
@@ -1095,10 +1148,12 @@ class Crawler:
                     await asyncio.gather(*workers, return_exceptions=True)
                     for task in self.robots.values():
                         task.cancel()
-                    self.warc.close()
+                    # Also when stopped (SIGTERM, Ctrl-C): the pages written so far and the state
+                    # that knows them commit together, so a rerun neither fetches nor stores them twice.
+                    self._checkpoint()
         finally:
             await resolver.close()
-        _write_json_atomically(self.out_dir / STATE_FILE, self.state)
+        self.result.retry = sorted((self._recorded(url), depth) for url, depth in self.retry.items())
         self.result.warc_paths = list(self.warc.paths)
         self.result.skipped = {reason: n for reason, n in sorted(self.skipped.items()) if n}
         self.result.elapsed_s = round(time.monotonic() - started, 3)
@@ -1107,12 +1162,16 @@ class Crawler:
 
 
 async def crawl_async(cfg: CrawlConfig, out_dir: str | Path,
-                      on_page: Callable[[CrawlResult], None] | None = None) -> CrawlResult:
+                      on_page: Callable[[CrawlResult], None] | None = None,
+                      only: Iterable[tuple[str, int]] | None = None) -> CrawlResult:
     """Crawl ``cfg.seed_urls`` into ``out_dir`` (WARC files, state, report); ``on_page``
-    is told the running result after each stored page."""
-    return await Crawler(cfg, out_dir, on_page).run()
+    is told the running result after each stored page. ``only``: fetch these (URL,
+    depth) entries instead of the seeds, an earlier crawl's ``retry`` list, and follow
+    the links of what they give that the state does not know yet."""
+    return await Crawler(cfg, out_dir, on_page, only).run()
 
 
-def crawl(cfg: CrawlConfig, out_dir: str | Path, on_page: Callable[[CrawlResult], None] | None = None) -> CrawlResult:
+def crawl(cfg: CrawlConfig, out_dir: str | Path, on_page: Callable[[CrawlResult], None] | None = None,
+          only: Iterable[tuple[str, int]] | None = None) -> CrawlResult:
     """Blocking form of :func:`crawl_async`, for callers without an event loop."""
-    return asyncio.run(crawl_async(cfg, out_dir, on_page))
+    return asyncio.run(crawl_async(cfg, out_dir, on_page, only))

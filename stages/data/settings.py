@@ -12,11 +12,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from crawl2chat.stages.data.urls import domain_entry_text, parse_domain_entry, parse_origin
+from crawl2chat.stages.data.urls import domain_entry_text, normalize_url, parse_domain_entry, parse_origin
 from crawl2chat.stages.data.text import NO_TERMINAL_PUNCTUATION_LANGUAGES, TERMINAL_PUNCTUATION
 
 
 # ---------------------------------------------------------------- crawl
+
+def check_seed_urls(seeds: list[str]) -> list[str]:
+    """The seeds as given, each an absolute http(s) URL with a host; else ValueError naming it."""
+    for seed in seeds:
+        if normalize_url(seed) is None:
+            raise ValueError(f"{seed!r} is not an http(s) URL with a host (e.g. https://example.org/)")
+    return seeds
+
 
 class CrawlConfig(BaseModel):
     """What to crawl and how politely."""
@@ -102,6 +110,11 @@ class CrawlConfig(BaseModel):
         "the first are fetched there but recorded (WARC target URIs, crawl_state.json, changed_urls) under the "
         "second, so a site that moved to another port keeps its identity and its re-crawls stay incremental.",
     )
+
+    @field_validator("seed_urls")
+    @classmethod
+    def _check_seeds(cls, seeds: list[str]) -> list[str]:
+        return check_seed_urls(seeds)
 
     @field_validator("allowed_domains")
     @classmethod
