@@ -119,7 +119,7 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: 
     ``only_input`` (no other input), a crawl that leaves none raises
     NothingUsableError saying why its pages were not fetched.
     """
-    from crawl2chat.stages.data.crawl import crawl
+    from crawl2chat.stages.data.crawl import crawl, why_nothing_fetched
     from crawl2chat.stages.data.local_site import PydocSite
 
     params = crawl_cfg.model_dump()
@@ -182,7 +182,8 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: 
     if result.pages_fetched + result.pages_not_modified == 0 and only is None:
         # Nothing answered (a site down, robots.txt unreachable): not done, the next run crawls again.
         if only_input and not warcs:
-            raise NothingUsableError(nothing_fetched_sentence(result, crawl_dir))
+            raise NothingUsableError(f"The crawl got no page ({why_nothing_fetched(result)}); nothing was built, "
+                                     f"see {crawl_dir / 'crawl_report.json'}.")
         print("[data] crawl    got no page; not marked done, the next run crawls again", flush=True)
     else:
         tmp = marker.with_name(marker.name + ".tmp")
@@ -194,31 +195,6 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: 
                   "asks for them again", flush=True)
     # Every WARC file of the crawl folder: earlier crawls' pages stay part of the corpus.
     return warcs
-
-
-# What a crawl's skip reasons mean to someone who sees only the counts.
-_WHY_NOT_FETCHED = {
-    "robots_unavailable": "its robots.txt did not answer, so the site counts as disallowed (RFC 9309)",
-    "connection_error": "the connection was refused or cut",
-    "timeout": "no answer within data.crawl.request_timeout_s",
-    "robots": "robots.txt disallows it",
-    "bad_url": "it is not an http(s) URL",
-    "excluded": "data.crawl.exclude_url_patterns excludes it",
-    "blocked_address": "it resolves to an address the crawl may not connect to",
-}
-
-
-def nothing_fetched_sentence(result, crawl_dir: Path) -> str:
-    """Why a crawl that was the only input got no page, in one sentence."""
-    reasons = sorted(result.skipped.items(), key=lambda kv: -kv[1])
-    if not reasons:
-        why = "no page answered"
-    else:
-        top, _ = reasons[0]
-        why = ", ".join(f"{reason} {n}" for reason, n in reasons)
-        if top in _WHY_NOT_FETCHED:
-            why += f": {_WHY_NOT_FETCHED[top]}"
-    return (f"The crawl got no page ({why}); nothing was built, see {crawl_dir / 'crawl_report.json'}.")
 
 
 def crawl_summary(result, crawl_dir: Path) -> str:

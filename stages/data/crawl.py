@@ -105,6 +105,28 @@ def transient(reason: str) -> bool:
     return reason in TRANSIENT_SKIPS or reason.startswith("http_5")
 
 
+# What a crawl's skip reasons mean to someone who sees only the counts.
+_WHY_NOT_FETCHED = {
+    "robots_unavailable": "its robots.txt did not answer, so the site counts as disallowed (RFC 9309)",
+    "connection_error": "the connection was refused or cut",
+    "timeout": "no answer within data.crawl.request_timeout_s",
+    "robots": "robots.txt disallows it",
+    "bad_url": "it is not an http(s) URL",
+    "excluded": "data.crawl.exclude_url_patterns excludes it",
+    "blocked_address": "it resolves to an address the crawl may not connect to",
+}
+
+
+def why_nothing_fetched(result: "CrawlResult") -> str:
+    """The skip counts of a crawl that got no page, most frequent first, and what the first means."""
+    reasons = sorted(result.skipped.items(), key=lambda kv: -kv[1])
+    if not reasons:
+        return "no page answered"
+    why = ", ".join(f"{reason} {n}" for reason, n in reasons)
+    meaning = _WHY_NOT_FETCHED.get(reasons[0][0])
+    return f"{why}: {meaning}" if meaning else why
+
+
 # ----------------------------------------------------------------------------- settings
 
 
