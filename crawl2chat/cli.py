@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -220,9 +221,24 @@ def _guarded(body, cfg=None, meanwhile=()):
         wait_for_embedded_api(meanwhile)
     except RuntimeError as e:
         _fail(str(e))
+    from prefect.exceptions import TerminationSignal
+
+    def stop(signum, frame):  # noqa: ARG001 - a signal handler's signature
+        raise TerminationSignal(signal=signum)
+
+    # SIGTERM raises here as in a flow run (Prefect's own handler, once a flow has ended
+    # its runs, sends the signal again to the handler it found: this one, not death).
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         with flow_settings():
             return body()
+    except (KeyboardInterrupt, TerminationSignal) as e:
+        # Stopped on purpose (Ctrl-C, SIGTERM): the MLflow runs are closed KILLED, and the
+        # status is the shell's for that signal.
+        sig = getattr(e, "signal", signal.SIGINT)
+        typer.echo(f"stopped ({signal.Signals(sig).name}); rerunning the same command resumes where it stopped",
+                   err=True)
+        raise typer.Exit(128 + sig) from None
     except StageFailed as e:
         # The script's log, or where the command's own traces go when it failed before a script wrote one.
         log = e.log_path if e.log_path and Path(e.log_path).exists() else (Path(home) / RUN_TRACES if home else None)
@@ -241,6 +257,8 @@ def _guarded(body, cfg=None, meanwhile=()):
         if (sentence := exhaustion(e)) is None:
             raise
         _fail(sentence, 2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stage_command(name: str):

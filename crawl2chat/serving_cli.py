@@ -12,11 +12,13 @@ import typer
 QUANTIZE_HELP = "Dynamic int8 quantisation of the linear layers at load time (CPU): none or int8."
 
 
-def _check_model(model: str) -> None:
+def _check_model(model: str, flag: str = "--model", kind: str = "causal") -> None:
+    """One sentence and status 2 for a folder the command cannot use (a causal LM is needed
+    to generate and to score bits per byte; ``--reward-model`` needs a reward model)."""
     from crawl2chat.stages.training.models import model_folder_problem
 
-    if problem := model_folder_problem(model):
-        typer.echo(f"error: --model: {problem}", err=True)
+    if problem := model_folder_problem(model, kind):
+        typer.echo(f"error: {flag}: {problem}", err=True)
         raise typer.Exit(2)
 
 
@@ -46,6 +48,9 @@ def eval_command(
     Example: crawl2chat eval --model runs/pretrain/model --data runs/data   (its held-out split only)
     """
     _check_model(model)
+    for flag, folder, kind in (("--reward-model", reward_model, "reward"), ("--parent", parent, "causal")):
+        if folder:
+            _check_model(folder, flag, kind)
     _check_quantize(quantize)
     if split not in ("model", "all"):
         typer.echo(f"error: --split takes model or all, not {split!r}", err=True)

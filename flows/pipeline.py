@@ -35,9 +35,18 @@ def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str,
     (``submit``: started in the background; returns its future)."""
     section = getattr(config, stage)
     task = training_task(stage)
+    settings = section.train.model_dump(mode="json")
+    # A folder named by a setting keys the run by what it resolves to (runs/mlm/model -> the run
+    # folder it links to now), so a retrained encoder or tokenizer is not taken for the old one.
+    folders = {role: str(Path(settings[name]).resolve())
+               for name, role in STAGES[stage].folder_settings if settings.get(name)}
+    for name, role in STAGES[stage].folder_settings:
+        if role in folders:
+            settings[name] = folders[role]
+    lineage = {**lineage, **folder_input_tags(**folders)}
     return (task.submit if submit else task)(
         stage, {name: str(Path(path).resolve()) for name, path in inputs.items()}, str(Path(section.out).resolve()),
-        section.train.model_dump(mode="json"), num_processes=section.num_processes, nodes=section.nodes,
+        settings, num_processes=section.num_processes, nodes=section.nodes,
         accelerate_config=section.accelerate_config, lineage=lineage, registered_name=section.registered_name,
         eval_data=eval_data, cpu_share=cpu_share, minutes=getattr(section, "minutes", None))
 
@@ -126,7 +135,8 @@ def stage_inputs(stage: TrainingStage, config: Config, given: dict[str, str]) ->
         if not value:
             where = f" or the setting {stage.name}.{item.setting}" if item.setting else ""
             raise SettingsError(f"{stage.name}: no {item.name} given (the --{item.name} option{where})")
-        if item.model_role and (problem := model_folder_problem(value, reward=item.model_role == "reward")):
+        kind = "reward" if item.model_role == "reward" else "causal"
+        if item.model_role and (problem := model_folder_problem(value, kind)):
             raise SettingsError(f"{stage.name}: --{item.name}: {problem}")
         inputs[item.name] = value
     return inputs
@@ -141,10 +151,10 @@ def _single_stage_flow(stage: TrainingStage):
         inputs = stage_inputs(stage, config, given)
         setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
         with pipeline_run(stage.name, {stage.name: getattr(config, stage.name).model_dump(mode="json"), **inputs}):
-            if stage.prepare_on_host:  # a stage that reads a dataset links its version's run
-                lineage = data_lineage(str(Path(inputs["data"]).resolve()))
-            else:
-                lineage = folder_input_tags(**{i.model_role: inputs[i.name] for i in stage.inputs if i.model_role})
+            # The runs that made its input models, and a dataset's version run for a stage that reads one.
+            lineage = folder_input_tags(**{i.model_role: inputs[i.name] for i in stage.inputs if i.model_role})
+            if stage.prepare_on_host:
+                lineage.update(data_lineage(str(Path(inputs["data"]).resolve())))
             return train(config, stage.name, inputs, lineage)
 
     params = [inspect.Parameter("config", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=Config(), annotation=Config)]

@@ -1,7 +1,7 @@
 """Walk the lineage of models and data through MLflow run tags.
 
 Every stage run tags the runs whose outputs it consumed as
-``crawl2chat.input.<role> = <run id>`` (role: data, base, sft, reward, policy),
+``crawl2chat.input.<role> = <run id>`` (role: data, base, sft, reward, policy, teacher, encoder),
 so the chain data version -> tokenizer + base model -> SFT -> reward model ->
 policy can be followed upstream (read a run's input tags) and downstream (search
 for runs naming it as an input).
@@ -16,9 +16,14 @@ from pathlib import Path
 import mlflow
 from mlflow.entities import Run
 
+from crawl2chat.stages.training.registry import STAGES
+
 INPUT_PREFIX = "crawl2chat.input."
 MODEL_PREFIX = "crawl2chat.input_model."  # the registered model version a stage read, beside its run
-ROLES = ("data", "base", "sft", "reward", "policy")
+# Every role a run may name an input under: a dataset, each stage's input models and the
+# folders its settings name (crawl2chat.stages.training.registry), and the policy.
+ROLES = ("data", "policy", *sorted({i.model_role for s in STAGES.values() for i in s.inputs if i.model_role}
+                                   | {role for s in STAGES.values() for _, role in s.folder_settings}))
 
 
 def input_tags(**runs: str | None) -> dict[str, str]:

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -143,6 +144,20 @@ parent_run_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("craw
 
 
 @contextlib.contextmanager
+def closed_killed_when_stopped() -> Iterator[None]:
+    """End the active run ``KILLED`` when the command is stopped on purpose (Ctrl-C, or
+    SIGTERM, which Prefect raises as ``TerminationSignal``); MLflow would mark it FAILED,
+    as a run that broke."""
+    loaded = sys.modules.get("prefect.exceptions")  # only Prefect raises TerminationSignal
+    stops = (KeyboardInterrupt, *((loaded.TerminationSignal,) if loaded else ()))
+    try:
+        yield
+    except stops:
+        mlflow.end_run("KILLED")
+        raise
+
+
+@contextlib.contextmanager
 def pipeline_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, str] | None = None) -> Iterator[mlflow.ActiveRun]:
     """The parent run of one pipeline run; stage runs opened inside become its children."""
     with mlflow.start_run(run_name=name, tags={"crawl2chat.pipeline": name, OWNER_TAG: _process_owner() or "",
@@ -151,7 +166,8 @@ def pipeline_run(name: str, params: dict[str, Any] | None = None, tags: dict[str
             mlflow.log_params(safe_params(flatten("", mask_secrets(params))))
         token = parent_run_id.set(run.info.run_id)
         try:
-            yield run
+            with closed_killed_when_stopped():
+                yield run
         finally:
             parent_run_id.reset(token)
 
@@ -169,4 +185,5 @@ def stage_run(name: str, params: dict[str, Any] | None = None, tags: dict[str, s
     ) as run:
         if params:
             mlflow.log_params(safe_params(flatten("", mask_secrets(params))))
-        yield run
+        with closed_killed_when_stopped():
+            yield run

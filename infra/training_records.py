@@ -26,9 +26,10 @@ class MetricsFollower:
     locked) keeps its points buffered and is retried at the next poll, so they land
     once the server is back; the training result on disk is what counts. A rerun's
     run holds the earlier attempts' points too, less those of the steps trained again
-    after the checkpoint it resumed from. After a rollback (or a resume whose earlier
-    points were already sent) a step can appear twice; MLflow keeps both points, and
-    the later one is the one the run continued from.
+    after the checkpoint it resumed from: they are held back until this attempt's first
+    row says where it starts (its ``resume`` or ``start`` event). After a rollback a
+    step can appear twice; MLflow keeps both points, and the later one is the one the
+    run continued from.
     """
 
     SKIP = {"step", "time", "batch_index", "world_size"}  # numbers that are coordinates, not metrics
@@ -46,6 +47,8 @@ class MetricsFollower:
         # the run holds the whole curve, but not shown again as this attempt's progress.
         self.shown_from = self.path.stat().st_size if self.path.exists() else 0
         self.pending: list[Metric] = []
+        # An earlier attempt's points, until this attempt says which steps it trains again.
+        self.held: list[Metric] | None = [] if self.shown_from else None
         self.sent = 0
         self.failures = 0  # sends that failed (and were retried)
         self.last_error: str | None = None
@@ -83,10 +86,16 @@ class MetricsFollower:
                 continue
             if row.get("type") == "event":
                 self.events.append(row)
-                if row.get("event") == "resume" and isinstance(row.get("step"), int):
-                    # The steps after the checkpoint are trained again: an earlier attempt's
-                    # points for them (not sent yet: a rerun reads the file from its start) go.
-                    self.pending = [m for m in self.pending if m.step <= row["step"]]
+                kind, at = row.get("event"), row.get("step")
+                if kind in ("resume", "start") and isinstance(at, int):
+                    # The steps after a resume's checkpoint, or from a start, are trained again:
+                    # the points an attempt before it left for them go.
+                    keep = (lambda m: m.step <= at) if kind == "resume" else (lambda m: m.step < at)
+                    self.pending = [m for m in self.pending if keep(m)]
+                    if self.held is not None:
+                        self.held = [m for m in self.held if keep(m)]
+                        if not earlier_attempt:
+                            self._release()
                 continue
             if row.get("type") == "step" and self.on_step is not None and not earlier_attempt:
                 try:
@@ -101,8 +110,20 @@ class MetricsFollower:
                 if key in self.SKIP or isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
                 if math.isfinite(value):  # a NaN or an infinity is no figure
-                    self.pending.append(Metric(key, float(value), stamp, step))
+                    metric = Metric(key, float(value), stamp, step)
+                    if earlier_attempt and self.held is not None:
+                        self.held.append(metric)
+                    else:
+                        if self.held is not None:  # a step row came first: what it trains is redone
+                            self._release(lambda m, first=step: m.step < first)
+                        self.pending.append(metric)
         return len(self.pending) - before
+
+    def _release(self, keep=lambda m: True) -> None:
+        """Queue the earlier attempt's held points that ``keep`` accepts, ahead of this attempt's."""
+        if self.held is not None:
+            self.pending[:0] = [m for m in self.held if keep(m)]
+            self.held = None
 
     def flush(self) -> bool:
         """Send the buffered points; True when none is left. A failure keeps them for the next try."""
@@ -142,7 +163,11 @@ class MetricsFollower:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self.poll()
-        # Stopping: what the run wrote last, and whatever an outage left buffered.
+        # Stopping: what the run wrote last, and whatever an outage left buffered; an earlier
+        # attempt's points when this attempt wrote nothing of its own.
+        with self._lock:
+            self.read()
+            self._release()
         deadline = time.monotonic() + self._drain_timeout
         while not self.poll() and time.monotonic() < deadline:
             time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
@@ -151,6 +176,9 @@ class MetricsFollower:
         """Stop following after a last read; keep retrying unsent points for up to
         ``drain_timeout`` seconds. Returns True when every point reached MLflow."""
         if self._thread is None:
+            with self._lock:
+                self.read()
+                self._release()
             return self.poll()
         self._drain_timeout = drain_timeout
         self._stop.set()

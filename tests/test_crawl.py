@@ -419,7 +419,15 @@ def test_a_stopped_data_command_commits_its_crawl_state_with_its_warc_files(tmp_
             time.sleep(0.05)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode != 0, out.decode()[-2000:]
+        # One sentence, the shell's status for the signal, and the MLflow runs closed as killed.
+        assert proc.returncode == 128 + sig, out.decode()[-2000:]
+        assert out.decode().strip().splitlines()[-1] == (
+            f"stopped ({signal.Signals(sig).name}); rerunning the same command resumes where it stopped")
+        import mlflow
+
+        client = mlflow.MlflowClient(f"sqlite:///{tmp_path / '.crawl2chat' / 'mlflow.db'}")
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert runs and {r.info.status for r in runs} == {"KILLED"}
         crawl_dir = tmp_path / "out" / "crawl"
         state = json.loads((crawl_dir / "crawl_state.json").read_text())
 

@@ -25,11 +25,19 @@ def test_chain_is_walked_upstream_and_downstream(tmp_path):
     stage("sft", "sft", base=ids["pretrain"])
     stage("reward", "rm", base=ids["pretrain"])
     stage("ppo", "policy", sft=ids["sft"], reward=ids["reward"])
+    stage("mlm", "encoder", data=ids["write"])
+    stage("distill", "student", teacher=ids["pretrain"], data=ids["write"])
+    stage("contrastive", "embedder", encoder=ids["mlm"], data=ids["write"])
 
     text = format_lineage(ids["sft"])
     up, _, down = text.partition("this:")
     assert ids["pretrain"] in up and ids["write"] in up
     assert ids["ppo"] in down and ids["reward"] not in down
+    # Every role a stage reads a model under is followed downstream: a distillation's teacher,
+    # contrastive learning's starting encoder.
+    (teacher_line,) = [x for x in format_lineage(ids["pretrain"]).splitlines() if ids["distill"] in x]
+    assert teacher_line.strip().startswith("-> as teacher")
+    assert any(ids["contrastive"] in x and "as encoder" in x for x in format_lineage(ids["mlm"]).splitlines())
     # A model folder resolves to the run that wrote it.
     assert resolve_run(str(tmp_path / "policy")).info.run_id == ids["ppo"]
     policy_up = format_lineage(ids["ppo"]).partition("this:")[0]

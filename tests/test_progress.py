@@ -141,12 +141,42 @@ def test_a_rerun_sends_each_step_of_the_curve_once(tmp_path):
     trains 4-6 again; the run's curve holds steps 1-3 of the first attempt and 4-6 of the second."""
     from crawl2chat.infra.training_records import MetricsFollower
 
+    class Client:
+        def __init__(self):
+            self.logged = []
+
+        def log_batch(self, run_id, metrics):
+            self.logged += metrics
+
     path = tmp_path / "metrics.jsonl"
     first = rows(5)
     again = [{"type": "event", "event": "resume", "step": 3, "checkpoint": "step_00000003"},
              *[{**r, "loss": 1.0} for r in rows(6)[3:]]]
-    path.write_text("".join(json.dumps(r) + "\n" for r in first + again))
-    follower = MetricsFollower(path, "no-run", client=object())
-    follower.read()
-    losses = [(m.step, m.value) for m in follower.pending if m.key == "loss"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in first))
+    client = Client()
+    follower = MetricsFollower(path, "no-run", client=client)
+    # The rerun's first poll comes before its rank has loaded the checkpoint: nothing of the
+    # earlier attempt is sent yet, since which of its steps stay is not known.
+    assert follower.poll() and client.logged == []
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in again))
+    assert follower.poll()
+    losses = [(m.step, m.value) for m in client.logged if m.key == "loss"]
     assert losses == [(1, 4.9), (2, 4.8), (3, 4.7), (4, 1.0), (5, 1.0), (6, 1.0)]
+
+
+def test_an_attempt_that_wrote_nothing_still_sends_the_earlier_points(tmp_path):
+    """A rerun that fails before its first row (a bad setting): the run keeps the curve on file."""
+    from crawl2chat.infra.training_records import MetricsFollower
+
+    class Client:
+        logged: list = []
+
+        def log_batch(self, run_id, metrics):
+            self.logged += metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(3)))
+    follower = MetricsFollower(path, "no-run", client=Client(), interval=0.05).start()
+    assert follower.stop(drain_timeout=5)
+    assert sorted({m.step for m in Client.logged if m.key == "loss"}) == [1, 2, 3]

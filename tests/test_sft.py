@@ -207,7 +207,22 @@ def test_a_damaged_or_wrong_input_model_is_refused_before_training(base, tmp_pat
     assert model_folder_problem(base) is None
     assert model_folder_problem(damaged) == f"{weights} has 3000 bytes, {(base / 'model.safetensors').stat().st_size} were written"
     assert model_folder_problem(tmp_path) == f"{tmp_path} is not a model folder (no config.json)"
-    assert "is not a reward model (its architecture is LlamaForCausalLM" in model_folder_problem(base, reward=True)
+    assert "is not a reward model (its architecture is LlamaForCausalLM" in model_folder_problem(base, "reward")
+    # An encoder where a causal LM is needed (eval, export, serve, chat, a distillation teacher),
+    # and the other way round (contrastive learning's init_encoder).
+    encoder = tmp_path / "encoder"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    assert model_folder_problem(encoder) == (
+        f"{encoder} is not a causal language model (its architecture is BertForMaskedLM; crawl2chat pretrain, "
+        "sft, ppo, dpo and distill train one)")
+    assert model_folder_problem(encoder, "encoder") is None
+    assert "is not a BERT encoder (its architecture is LlamaForCausalLM" in model_folder_problem(base, "encoder")
+    for command in (["eval"], ["export", "--out", str(tmp_path / "exported")], ["chat"]):
+        refused = subprocess.run([sys.executable, "-m", "crawl2chat.cli", *command, "--model", str(encoder)],
+                                 capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert refused.returncode == 2, (command, refused.stderr[-2000:])
+        assert refused.stderr.strip().splitlines()[-1] == f"error: --model: {model_folder_problem(encoder)}"
 
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"prompt": "hi", "response": "hello"}) + "\n")

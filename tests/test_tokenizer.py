@@ -309,3 +309,28 @@ def test_both_tokenizing_paths_keep_the_same_documents(tok_dir, tmp_path, ray_lo
     kept = {r[0] for r in here}
     assert not kept & {"d003", "d013", "d014", "d033", "d034", "d005", "d006", "d000", "d009"}
     assert {"d001", "d010"} <= kept  # an empty drop reason is no drop
+
+
+def test_unigram_is_the_same_on_every_run_over_real_pages(shared_data, tmp_path):
+    """Real pages bring many characters seen once: several single characters share the
+    lowest score beside the trainer's added run, and trained pieces fall on its score
+    grid further up. Three fresh processes still train byte-identical files."""
+    import subprocess
+    import sys
+
+    from warcio.archiveiterator import ArchiveIterator
+
+    from crawl2chat.stages.data.extract import html_to_text
+
+    texts = []
+    for name in ("sample-0000.warc.gz", "sample-0001.warc.gz"):
+        with open(shared_data / "warc" / "dolma" / name, "rb") as fh:
+            texts += [html_to_text(r.content_stream().read().decode("utf-8", "replace"))
+                      for r in ArchiveIterator(fh) if r.rec_type == "response"]
+    source = tmp_path / "pages.txt"
+    source.write_text("\n".join(t for t in texts if t), encoding="utf-8")
+    script = ("import sys\nfrom crawl2chat.stages.training.tokenizer import train_tokenizer\n"
+              "train_tokenizer(sys.argv[1], sys.argv[2], vocab_size=1000, tokenizer_type='unigram')\n")
+    for run in range(3):
+        subprocess.run([sys.executable, "-c", script, str(source), str(tmp_path / f"run{run}")], check=True, timeout=300)
+    assert len({(tmp_path / f"run{run}" / "tokenizer.json").read_bytes() for run in range(3)}) == 1

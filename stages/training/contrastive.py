@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from crawl2chat.stages.training.encoders import CorruptedWindows, bert_config, build, prepare_data
+from crawl2chat.stages.training.models import model_folder_problem
 from crawl2chat.stages.training.settings import ContrastiveConfig
 from crawl2chat.stages.training.stage import run_script
 
@@ -467,8 +468,8 @@ def prepare(cfg: ContrastiveConfig, data: str, out: Path) -> tuple[Path, Path]:
     and the cluster pairs (:func:`prepare_pairs`)."""
     if cfg.init_encoder:
         init = Path(cfg.init_encoder)
-        if not (init / "config.json").is_file():
-            raise ValueError(f"init_encoder: {init} is not a model folder (no config.json)")
+        if problem := model_folder_problem(init, "encoder"):
+            raise ValueError(f"init_encoder: {problem}")
         if cfg.tokenizer and Path(cfg.tokenizer).resolve() != init.resolve():
             raise ValueError("tokenizer and init_encoder are both set; the encoder brings its own tokenizer")
         from crawl2chat.stages.training.heldout import read_split
@@ -583,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
                    train_pairs=len(pairs.train), held_out_pairs=len(pairs.held_out),
                    queue_filled=bank.filled if bank else 0, retrieval_positives=retrieval.source,
                    retrieval_pairs=len(retrieval.queries))
-    return finish(acc, trainer, tok_dir, out, summary)
+    return finish(acc, trainer, tok_dir, out, summary, split=index.get("split"))
 
 
 def prepare_on_host(argv: list[str]) -> None:

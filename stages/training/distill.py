@@ -162,9 +162,14 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{index['train']['tokens']:,} training tokens")
 
     baseline = None
-    if cfg.compare_without_teacher:
+    # With alpha 0 the student learns from the data alone: it is its own comparison.
+    if cfg.compare_without_teacher and cfg.alpha > 0:
+        probe.print(f"first the same student without the teacher, for comparison ({cfg.max_steps} steps, "
+                    f"-> {out / 'without_teacher' / 'model'}); then with it")
         baseline = train_student(cfg, teacher_dir, teacher, data_dir, out / "without_teacher", 0.0, tokens_per_byte)
     summary = train_student(cfg, teacher_dir, teacher, data_dir, out, cfg.alpha, tokens_per_byte)
+    if cfg.compare_without_teacher and cfg.alpha == 0:
+        baseline = summary
     windows = TokenWindows(data_dir, cfg)
     t_loss = teacher_val_loss(probe, teacher, windows)
     summary.update(temperature=cfg.temperature, teacher=str(teacher_dir.resolve()),

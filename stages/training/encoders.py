@@ -252,7 +252,9 @@ def run_encoder_stage(name: str, config_cls, argv: list[str] | None, doc: str,
     summary.update(stage=name, preset=cfg.preset, params=num_params(model), vocab_size=len(tokenizer),
                    tokenizer_type=tokenizer_family(tok_dir), tokenizer=str(tok_dir.resolve()),
                    data=str(Path(args.data).resolve()), data_index=str((out / "data" / INDEX).resolve()), **extra)
-    return finish(acc, trainer, tok_dir, out, summary)
+    # The split its held-out text came from goes with the model: an evaluation or a
+    # contrastive run starting from it keeps that text unseen.
+    return finish(acc, trainer, tok_dir, out, summary, split=index.get("split"))
 
 
 def prepare_on_host_for(name: str, config_cls, doc: str, argv: list[str]) -> None:

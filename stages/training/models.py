@@ -36,11 +36,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_folder_problem(folder: str | Path, reward: bool = False) -> str | None:
-    """None for a folder a stage can load as its input model; otherwise what is wrong, in
-    words naming the folder or file: not a model folder, a file damaged since it was written
-    (``checksums.json``), or, with ``reward``, not a reward model (a sequence classifier
-    with its score head: a causal LM would be read with a random head)."""
+def is_causal_lm(architectures: list[str]) -> bool:
+    """Whether a model folder's recorded architectures include a causal language model
+    (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...): what generation and bits per byte need."""
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+
+
+def model_folder_problem(folder: str | Path, kind: str = "causal") -> str | None:
+    """None for a folder a stage or command can load as its input model; otherwise what is
+    wrong, in words naming the folder or file: not a model folder, a file damaged since it
+    was written (``checksums.json``), or not of the ``kind`` the reader needs: ``causal``
+    (a causal language model: an encoder would be read with a random or masked-LM head),
+    ``reward`` (a sequence classifier with its score head: a causal LM would be read with a
+    random head), ``encoder`` (a BERT encoder, what contrastive learning starts from), ``any``."""
     import json
 
     from crawl2chat.stages.checksums import folder_damage
@@ -58,9 +66,14 @@ def model_folder_problem(folder: str | Path, reward: bool = False) -> str | None
     if damage:
         return damage
     architectures = config.get("architectures") or []
-    if reward and not any(a.endswith("ForSequenceClassification") for a in architectures):
-        return (f"{folder} is not a reward model (its architecture is {', '.join(architectures) or 'not recorded'}; "
-                "crawl2chat reward trains one)")
+    named = ", ".join(architectures) or "not recorded"
+    if kind == "reward" and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        return f"{folder} is not a reward model (its architecture is {named}; crawl2chat reward trains one)"
+    if kind == "causal" and not is_causal_lm(architectures):
+        return (f"{folder} is not a causal language model (its architecture is {named}; crawl2chat pretrain, "
+                "sft, ppo, dpo and distill train one)")
+    if kind == "encoder" and not any(a.startswith("Bert") and not a.endswith("LMHeadModel") for a in architectures):
+        return f"{folder} is not a BERT encoder (its architecture is {named}; crawl2chat mlm trains one)"
     return None
 
 

@@ -43,6 +43,9 @@ class TrainingStage:
     prepare_on_host: bool = False  # the module's prepare_on_host(argv) runs before the launch (Ray lives there)
     artifact_dirs: tuple[str, ...] = ()  # summary keys naming further folders logged as artifacts
     options: tuple[tuple[str, str], ...] = ()  # (setting under ``train``, help): a CLI shortcut ``--SETTING``
+    # (setting under ``train``, lineage role): settings naming a folder another stage made (a model
+    # to start from, a tokenizer); a run is keyed by the folder they resolve to and linked to its run.
+    folder_settings: tuple[tuple[str, str], ...] = ()
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -78,6 +81,7 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         prepare_on_host=True,
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, 124m, 1b."),),
+        folder_settings=(("tokenizer", "tokenizer"),),
         max_steps_help="Optimizer steps, all of them (unset: pretrain.train.max_steps, or as many of them as fit "
                        "in pretrain.minutes of this machine when that is set).",
     ),
@@ -147,6 +151,7 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         prepare_on_host=True,
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
+        folder_settings=(("tokenizer", "tokenizer"),),
     ),
     TrainingStage(
         name="span",
@@ -162,6 +167,7 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         prepare_on_host=True,
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
+        folder_settings=(("tokenizer", "tokenizer"),),
     ),
     TrainingStage(
         name="distill",
@@ -174,8 +180,9 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
                            "runs/data")),
         registered_name="crawl2chat-distilled",
         evaluation="lm",
-        report=lambda s: f"val_bpb {_fmt(s, 'val_bpb')} (teacher {_fmt(s, 'teacher_val_bpb')}, "
-                         f"same student without the teacher {_fmt(s, 'without_teacher_val_bpb')})",
+        report=lambda s: f"val_bpb {_fmt(s, 'val_bpb')} (teacher {_fmt(s, 'teacher_val_bpb')}"
+                         + (f", same student without the teacher {_fmt(s, 'without_teacher_val_bpb')}"
+                            if "without_teacher_val_bpb" in s else "") + ")",
         prepare_on_host=True,
         options=(("preset", "Student preset: tiny, cpu-small, cpu, 124m, 1b."),),
     ),
@@ -196,5 +203,6 @@ STAGES: dict[str, TrainingStage] = {s.name: s for s in (
         prepare_on_host=True,
         artifact_dirs=("tokenizer",),
         options=(("preset", "Model preset: tiny, cpu-small, cpu, base."),),
+        folder_settings=(("tokenizer", "tokenizer"), ("init_encoder", "encoder")),
     ),
 )}

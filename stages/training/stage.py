@@ -208,12 +208,16 @@ def prepare_out(acc, cfg, out: Path) -> None:
     acc.wait_for_everyone()
 
 
-def finish(acc, trainer: Trainer, tok_dir: Path, out: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """Save ``OUT/model`` (weights, config, tokenizer files) and ``OUT/metrics.json``."""
+def finish(acc, trainer: Trainer, tok_dir: Path, out: Path, summary: dict[str, Any],
+           split: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Save ``OUT/model`` (weights, config, tokenizer files, the held-out ``split`` the run
+    made when it made one) and ``OUT/metrics.json``."""
     acc.wait_for_everyone()
     state_dict = acc.get_state_dict(trainer.model)
     if acc.is_main_process:
-        save_model(acc.unwrap_model(trainer.model), state_dict, Path(tok_dir), out / "model")
+        if split:
+            summary.update(split=split["name"], split_val_fraction=split["val_fraction"])
+        save_model(acc.unwrap_model(trainer.model), state_dict, Path(tok_dir), out / "model", split=split)
         summary["model_dir"] = str((out / "model").resolve())
         (out / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
         trainer.metrics.write({"type": "event", "event": "done", **summary})

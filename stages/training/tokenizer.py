@@ -297,26 +297,32 @@ def _settle_unigram(tok, n_special: int) -> None:
     ``tokenizers``' Unigram trainer counts words in a hash map, so its sums run in a
     different order each run (scores differ in the last bits) and the characters
     it adds to cover the alphabet come in hash order. Scores are rounded to 1e-6
-    (far below any difference that changes a segmentation), the characters on
-    the added run take its steps in code point order, and pieces are ordered by
-    score, then spelling."""
+    (far below any difference that changes a segmentation); the single characters
+    on the lowest steps (the added run, steps 1, 2, ... above the lowest score, and
+    every single character at that score, among which the run's first) take those
+    same scores in code point order; pieces are ordered by score, then spelling."""
     import json
 
     from tokenizers import models
 
     model = json.loads(tok.to_str())["model"]
     head, pieces = model["vocab"][:n_special], model["vocab"][n_special:]
+    if not pieces:  # no text to learn from: the packing that follows says so, naming the data
+        return
     low = min(score for _, score in pieces)
     steps = {}
     for piece, score in pieces:
         j = (score - low) / _ADDED_CHARACTER_STEP
         if len(piece) == 1 and abs(j - round(j)) < 1e-6:
             steps[piece] = round(j)
-    # The added run takes steps 0, 1, 2, ...; the model's own lowest piece may share step 0.
-    js = sorted(steps.values())
-    if js and set(js) == set(range(js[-1] + 1)) and len(js) <= js[-1] + 2:
-        order = dict(zip(sorted(steps), js))
-        pieces = [(p, low + order[p] * _ADDED_CHARACTER_STEP if p in order else s) for p, s in pieces]
+    # The added run is the unbroken stretch of steps from the lowest score up; a trained
+    # piece that happens to fall on the grid higher up is left as it is.
+    top, taken = 0, set(steps.values())
+    while top + 1 in taken:
+        top += 1
+    run = sorted(p for p, j in steps.items() if j <= top)
+    order = dict(zip(run, sorted(j for j in steps.values() if j <= top)))
+    pieces = [(p, low + order[p] * _ADDED_CHARACTER_STEP if p in order else s) for p, s in pieces]
     pieces = sorted(((p, round(s, _SCORE_DECIMALS)) for p, s in pieces), key=lambda ps: (-ps[1], ps[0]))
     tok.model = models.Unigram([tuple(ps) for ps in head] + pieces, model["unk_id"], model["byte_fallback"])
 
