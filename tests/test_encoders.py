@@ -242,6 +242,11 @@ def test_mlm_learns_resumes_exactly_and_loads_as_masked_lm(corpus, tmp_path):
     model = AutoModelForMaskedLM.from_pretrained(out / "model")
     tok = AutoTokenizer.from_pretrained(out / "model")
     assert type(model).__name__ == "BertForMaskedLM" and tok.mask_token == "<|mask|>"
+    # The held-out split goes with the model (an evaluation, or contrastive learning from it, keeps it).
+    from crawl2chat.stages.training.heldout import read_split
+
+    split = read_split(out / "model")
+    assert split is not None and split.val_fraction == m["split_val_fraction"] and m["split"]
     enc = tok(f"the king holds the sword in {tok.mask_token} castle .", return_tensors="pt")
     with torch.no_grad():
         logits = model(**enc).logits
