@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import tracemalloc
+import urllib.request
 import zlib
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -1102,3 +1103,16 @@ def test_embedded_site_keeps_its_identity_between_crawls(tmp_path):
         assert sorted(uri for kind, uri, _, _ in records if kind == "revisit") == sorted(first.changed_urls)
     state = json.loads((out_dir / "crawl_state.json").read_text())
     assert set(state) == set(first.changed_urls)
+
+
+def test_embedded_site_serves_the_same_bytes_on_every_start():
+    """pydoc renders some default values with their memory addresses, new on every start; the
+    embedded site's pages carry none, so a refresh finds them unchanged (not new text)."""
+    pages = ("collections.html", "logging.html", "ctypes.html")
+    served = []
+    for _ in range(2):
+        with PydocSite() as site:
+            direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1, no proxy
+            served.append({page: direct.open(site.url + page, timeout=120).read() for page in pages})
+    assert served[0] == served[1]
+    assert b"object object at 0x\xe2\x80\xa6" in served[0]["collections.html"]

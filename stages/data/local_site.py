@@ -10,7 +10,11 @@ first run records its root URL there, later runs start on that port again when
 it is free, and otherwise on a free port with ``aliases`` mapping the new origin
 to the recorded one (the crawler's ``site_aliases``), so the pages keep their
 URLs and a re-crawl into the same folder finds them unchanged. pydoc sends no
-ETag or Last-Modified, so unchanged pages are recognised by their payload digest.
+ETag or Last-Modified, so unchanged pages are recognised by their payload digest;
+pydoc renders some default values with their memory addresses (``<object object
+at 0x7f...>``, a library ``handle``), which differ on every start, so the served
+pages have those numbers replaced by ``0x…`` (:data:`_STABLE_PYDOC`) and stay
+byte for byte the same between runs.
 
 Building a module's page imports that module inside the pydoc process. The
 environment variable ``BROWSER`` is set to ``true`` there so a module that opens
@@ -37,6 +41,18 @@ from crawl2chat.stages.data.urls import site_key
 from crawl2chat.stages.lifetime import stop_process
 
 _READY_LINE = re.compile(r"Server ready at (http://\S+/)")
+# ``python -S -c`` (no site-packages, so not this package): pydoc's command line with its
+# page builder wrapped to replace memory addresses, which change on every start.
+_STABLE_PYDOC = """\
+import re, sys, pydoc
+_pages, _address = pydoc._url_handler, re.compile(r"\\b0x[0-9a-f]{6,}\\b|(?<=handle )[0-9a-f]{6,}\\b")
+def _stable(url, content_type="text/html"):
+    page = _pages(url, content_type)
+    return _address.sub("0x\N{HORIZONTAL ELLIPSIS}", page) if isinstance(page, str) else page
+pydoc._url_handler = _stable
+sys.argv[0] = "pydoc"
+pydoc.cli()
+"""
 # The readiness probe goes straight to 127.0.0.1, whatever proxy the environment names.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -108,7 +124,7 @@ class PydocSite:
         self._process = subprocess.Popen(
             # -S: document the standard library only, the same on every machine, without
             # importing (and serving pages for) whatever else the environment has installed.
-            [sys.executable, "-S", "-m", "pydoc", "-n", "127.0.0.1", "-p", str(port)],
+            [sys.executable, "-S", "-c", _STABLE_PYDOC, "-n", "127.0.0.1", "-p", str(port)],
             # pydoc stops serving at end of input, so stdin stays an open pipe.
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
