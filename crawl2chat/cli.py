@@ -246,12 +246,16 @@ def _guarded(body, cfg=None, meanwhile=()):
             _fail(f"{e.stage}: {e.message}; rerunning the command resumes (full log: {log})", 1)
         _fail(f"{e.stage}: {e.message} (full log: {log})", 2)
     except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError,
-            NotADirectoryError, IsADirectoryError, PermissionError) as e:
+            NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError) as e:
         traces = Path(home) / RUN_TRACES if home else None
         # An OSError of the system's own words ("[Errno 20] Not a directory: 'x'") reads better as "x: Not a directory".
         said = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else f"{e}"
+        if isinstance(e, FileExistsError) and e.filename:
+            said = f"{e.filename} is in the way: a folder is needed there and it is a file"
         _fail(said + (f" (trace: {traces})" if traces and traces.exists() else ""), 2)
-    except (OSError, MemoryError) as e:  # out of disk space, a file size limit or memory: a rerun fails again
+    except Exception as e:  # noqa: BLE001 - out of disk space, a file size limit or memory: a rerun fails again
+        # It may arrive wrapped: Prefect's API answering 500 to the failed task's state, its
+        # own database having met the same limit.
         from crawl2chat.stages.resources import exhaustion
 
         if (sentence := exhaustion(e)) is None:
@@ -408,10 +412,20 @@ def lineage(
     Example: crawl2chat lineage runs/ppo/model   (or a run id, or models:/crawl2chat-policy@current)
     """
     cfg = _load(config, {}, None)
-    from crawl2chat.infra.lineage import format_lineage
+    import mlflow
+
+    from crawl2chat.infra.lineage import format_lineage, recorded_store
     from crawl2chat.infra.tracking import setup_tracking
 
-    setup_tracking(cfg.home, cfg.tracking.experiment, cfg.tracking.uri)
+    configured = cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    here = Path(cfg.home) / "mlflow.db"
+    if configured or here.exists():
+        setup_tracking(cfg.home, cfg.tracking.experiment, cfg.tracking.uri)
+    elif store := recorded_store(ref):  # run elsewhere: the store the model's training recorded itself in
+        mlflow.set_tracking_uri(store)
+    else:  # a lookup makes no store of its own
+        _fail(f"no MLflow store here ({here.resolve()} does not exist) and {ref!r} names no model folder that "
+              "records one: run from the project folder, or point --set home=DIR or MLFLOW_TRACKING_URI at it.", 2)
     try:
         typer.echo(format_lineage(ref))
     except Exception as e:  # noqa: BLE001 - a bad reference gets one plain line, not a traceback

@@ -52,6 +52,21 @@ def folder_input_tags(**folders: str) -> dict[str, str]:
     return tags
 
 
+def recorded_store(ref: str) -> str | None:
+    """The tracking URI a training stage recorded beside the model folder ``ref`` (its run
+    folder's summary; an exported copy's source's), so a lineage is found from any folder."""
+    from crawl2chat.infra.run_folders import DONE_FILE
+
+    folder = Path(ref)
+    try:
+        if (folder / "export_report.json").exists():
+            folder = Path(json.loads((folder / "export_report.json").read_text())["source"])
+        uri = json.loads((folder.resolve().parent / DONE_FILE).read_text()).get("tracking_uri")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return uri if isinstance(uri, str) and "***" not in uri else None  # a masked password cannot be used
+
+
 def resolve_run(ref: str) -> Run:
     """A run from a run id, a ``models:/name/version`` or ``models:/name@alias`` URI, or a model folder."""
     client = mlflow.MlflowClient()

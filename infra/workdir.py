@@ -108,6 +108,12 @@ def check_home(home: str) -> Path:
     """The project folder (``home`` setting): an existing or creatable folder this user can write in."""
     path = Path(home).expanduser().resolve()
     why = _unusable(path, create=True)
+    if not why:
+        # Made now: permission bits do not tell everything (root in /proc or /sys, a read-only mount).
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            why = f"cannot be created ({e.strerror or type(e).__name__})"
     if why:
         raise FolderUnusable(
             f"The project folder {path} (setting `home`) {why}: run from a folder you can write in, "

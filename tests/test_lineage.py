@@ -97,3 +97,37 @@ def test_a_run_whose_process_was_killed_is_closed_by_the_next_command(tmp_path):
         for p in procs:
             p.kill()
             p.wait(timeout=30)
+
+
+def test_a_model_folder_is_traced_from_any_folder_without_making_a_store(tmp_path):
+    """``crawl2chat lineage /abs/path/model`` run elsewhere: the store its training recorded
+    beside the run folder is used; a lookup never makes a store of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from crawl2chat.infra.run_folders import DONE_FILE
+
+    project = tmp_path / "project"
+    setup_tracking(project / ".crawl2chat", "lineage-elsewhere")
+    model = project / "runs" / "pretrain" / "k1" / "model"
+    model.mkdir(parents=True)
+    try:
+        with mlflow.start_run(run_name="pretrain", tags={"crawl2chat.stage": "pretrain",
+                                                          "crawl2chat.model_dir": str(model.resolve())}) as run:
+            pass
+        (model.parent / DONE_FILE).write_text(json.dumps({"tracking_uri": mlflow.get_tracking_uri()}))
+    finally:
+        mlflow.set_tracking_uri(None)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    cli = [sys.executable, "-m", "crawl2chat.cli", "lineage"]
+    found = subprocess.run([*cli, str(model)], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert run.info.run_id in found.stdout.partition("this:")[2].splitlines()[0]
+    missing = subprocess.run([*cli, str(tmp_path / "nothing")], cwd=elsewhere, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert missing.returncode == 2 and "no MLflow store here" in missing.stderr
+    assert list(elsewhere.iterdir()) == []

@@ -96,6 +96,19 @@ def test_folder_checks(tmp_path):
             check_workdir(str(locked))
         with pytest.raises(FolderUnusable, match="cannot be created"):
             check_home(str(locked / "home"))
+    if Path("/proc/self").is_dir():  # permission bits say yes to root there; making the folder says no
+        with pytest.raises(FolderUnusable, match=r"/proc/crawl2chat-home \(setting `home`\) cannot be created \("):
+            check_home("/proc/crawl2chat-home")
+
+
+def test_a_file_where_an_output_folder_goes_ends_the_command_plainly(tmp_path):
+    (tmp_path / "runs").write_text("x")
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    proc = subprocess.run([sys.executable, "-m", "crawl2chat.cli", "data", "--input", str(tmp_path / "in.warc.gz"),
+                           "--out", "runs/data"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: {tmp_path / 'runs'} is in the way: a folder is needed there and it is a file")
 
 
 def test_a_deployment_that_stored_its_workdir_says_to_deploy_again(tmp_path, monkeypatch):
