@@ -414,7 +414,10 @@ def test_a_stopped_data_command_commits_its_crawl_state_with_its_warc_files(tmp_
     with LocalServer([web.get("/robots.txt", no_robots), web.get("/{n:\\d*}", page)]) as server:
         command += ["--seed-url", server.url + "/", "--set", "data.crawl.per_host_delay_s=0.15",
                     "--set", "data.crawl.per_host_concurrency=1", "--set", "data.crawl.checkpoint_pages=1000"]
-        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # Ctrl-C reaches the command as in a terminal, even when this test runs in the background
+        # (a background job's children start with SIGINT ignored).
+        proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 120
         while len(server.requests) < 10 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
