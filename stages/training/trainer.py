@@ -1033,6 +1033,11 @@ class Trainer:
                    "final_train_loss": self.state.recent_losses[-1] if self.state.recent_losses else None,
                    **final_eval}
         if self.flops_per_token and self.peak_flops:
+            if cfg.peak_flops is None:
+                # Measured again now: at the start other work may have shared the machine (MFU
+                # above 1 against a peak measured then); the higher of the two is the peak.
+                dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.acc.mixed_precision, torch.float32)
+                self.peak_flops = max(self.peak_flops, measure_peak_flops(self.acc.device, dtype, seconds=0.3))
             summary["mfu"] = self.flops_per_token * tps / (self.peak_flops * self.world)
             summary["peak_flops_per_device"] = self.peak_flops
             summary["flops_per_token"] = self.flops_per_token
