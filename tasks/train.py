@@ -547,6 +547,25 @@ def demo_sets_task(shards_dir: str, out: str, examples: int, seed: int, base_mod
     return paths
 
 
+def _evaluated(kind: str, models: dict[str, str], questions_file: str, **params: Any) -> Path:
+    """Where the result of the ``kind`` evaluation of these models (the run folders their
+    paths resolve to) on this questions file's content is kept: a rerun whose stages
+    were all reused reads it instead of generating again."""
+    import hashlib
+
+    key = json.dumps({"kind": kind, "models": {name: str(Path(m).resolve()) for name, m in models.items()},
+                      "questions": hashlib.sha256(Path(questions_file).read_bytes()).hexdigest(), **params},
+                     sort_keys=True)
+    return Path(questions_file).parent / "evaluations" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _keep(path: Path, result: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+
+
 @task(name="questions", retries=0, cache_policy=NO_CACHE)
 def questions_task(models: dict[str, str], questions_file: str) -> dict[str, dict]:
     """Each model on held-out reference questions as multiple choice (the page's own
@@ -554,11 +573,16 @@ def questions_task(models: dict[str, str], questions_file: str) -> dict[str, dic
     stages make the right answer more likely, in one figure per model."""
     from crawl2chat.stages.inference.evaluate import question_accuracy
 
+    kept = _evaluated("questions", models, questions_file)
+    if kept.exists():
+        print(f"[questions] these models were scored on these questions already ({kept})", flush=True)
+        return json.loads(kept.read_text())
     rows = [json.loads(line) for line in Path(questions_file).read_text().splitlines() if line.strip()]
     result = {name: question_accuracy(model_dir, rows) for name, model_dir in models.items()}
     with stage_run("questions", {"models": models, "questions": questions_file}):
         mlflow.log_metrics({f"{name}.{key}": float(value) for name, figures in result.items()
                             for key, value in figures.items()})
+    _keep(kept, result)
     return result
 
 
@@ -570,6 +594,11 @@ def showcase_task(models: dict[str, str], questions_file: str, max_new_tokens: i
     own answer: what the chain taught, in a form a person reads."""
     from crawl2chat.stages.inference.evaluate import sample_generations
 
+    kept = _evaluated("showcase", models, questions_file, max_new_tokens=max_new_tokens,
+                      repetition_penalty=repetition_penalty)
+    if kept.exists():
+        print(f"[showcase] these models answered these questions already ({kept})", flush=True)
+        return json.loads(kept.read_text())
     rows = [json.loads(line) for line in Path(questions_file).read_text().splitlines() if line.strip()]
     prompts = [r["prompt"] for r in rows]
     answers = {name: [g["completion"].strip() for g in sample_generations(
@@ -579,4 +608,5 @@ def showcase_task(models: dict[str, str], questions_file: str, max_new_tokens: i
              for i, (p, r) in enumerate(zip(prompts, rows))]
     with stage_run("showcase", {"models": models, "questions": questions_file}):
         mlflow.log_table({k: [row[k] for row in table] for k in table[0]}, "showcase.json")
+    _keep(kept, table)
     return table

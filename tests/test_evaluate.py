@@ -254,3 +254,36 @@ def test_reference_questions_as_multiple_choice(models):
     assert trained == again and trained["n"] == len(CYCLE) and trained["chance"] == 0.25
     assert 0.0 <= rand["acc_norm"] <= 1.0 and rand["n"] == trained["n"]
     assert ev.question_kind("What does x.f() do?") == "function" and ev.question_kind("Continue: a") == "other"
+
+
+def test_a_rerun_with_the_same_models_reads_the_questions_and_showcase_kept(models, tmp_path):
+    """The pipeline's closing evaluations are kept beside the questions, keyed by the model
+    folders and the questions' content: a rerun whose stages were all reused reads them
+    (no generation, no new MLflow run); another model, or other questions, is evaluated."""
+    import json
+    import shutil
+
+    import mlflow
+
+    from crawl2chat.infra.tracking import setup_tracking
+    from crawl2chat.tasks.train import questions_task, showcase_task
+
+    rows = [{"prompt": f"What is the {w} module for?",
+             "reference": " ".join(CYCLE[(i + 1 + k) % len(CYCLE)] for k in range(6))} for i, w in enumerate(CYCLE)]
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    setup_tracking(tmp_path / "home", "kept-evaluations")
+    try:
+        chain = {"base": str(models["trained"])}
+        first = questions_task.fn(chain, str(questions)), showcase_task.fn(chain, str(questions), max_new_tokens=4)
+        runs = len(mlflow.search_runs(output_format="list"))
+        assert (questions_task.fn(chain, str(questions)), showcase_task.fn(chain, str(questions), max_new_tokens=4)) \
+            == first
+        assert len(mlflow.search_runs(output_format="list")) == runs == 2
+        other = tmp_path / "other-model"
+        shutil.copytree(models["random"], other)
+        assert first[0]["base"]["n"] == len(CYCLE)
+        questions_task.fn({"base": str(other)}, str(questions))
+        assert len(mlflow.search_runs(output_format="list")) == 3
+    finally:
+        mlflow.set_tracking_uri(None)
