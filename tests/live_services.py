@@ -92,6 +92,17 @@ def prefect_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "prefect", *args]
 
 
+def server_env(folder: Path) -> dict[str, str]:
+    """This process's environment for a Prefect server and its clients under ``folder``
+    (``folder/prefect-home``): no inherited service addresses, no usage reports, no scheduler
+    (a test crossing 03:00 UTC must not start the daily refresh)."""
+    (folder / "prefect-home").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
+    env.update({"PREFECT_HOME": str(folder / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "DO_NOT_TRACK": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
+    return env
+
+
 def start_prefect_server(env: dict[str, str], logs: Path, cwd: Path | str | None = None,
                          timeout: float = 240.0, die_with_parent: bool = False) -> tuple[subprocess.Popen, str]:
     """``prefect server start`` on a free port of 127.0.0.1; returns the process and its API URL."""

@@ -27,6 +27,7 @@ from live_services import (
     BIN,
     api_call,
     kill_pids,
+    server_env,
     signal_group,
     start_prefect_server,
     start_service,
@@ -82,11 +83,8 @@ def _heartbeats(api: str, flow_run_id: str) -> list:
 def test_a_killed_served_run_is_marked_crashed(tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()
-    (tmp_path / "prefect-home").mkdir()
     tag = secrets.token_hex(8)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
-    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "DO_NOT_TRACK": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
+    env = server_env(tmp_path)
     server, api = start_prefect_server(env, logs, cwd=tmp_path)
     site, release = _silent_site()
     serving = None

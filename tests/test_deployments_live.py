@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -35,6 +34,7 @@ from live_services import (
     api_call,
     kill_pids,
     prefect_command,
+    server_env,
     start_prefect_server,
     start_service,
     stop_group,
@@ -57,14 +57,9 @@ def deployed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deployments").resolve()
     logs = tmp / "logs"
     logs.mkdir()
-    (tmp / "prefect-home").mkdir()
     tag = secrets.token_hex(8)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
-    env.update({"PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "DO_NOT_TRACK": "1",
-                # The daily schedule is stored and shown, but no run is created from it: a test
-                # crossing 03:00 UTC must not start a full-size refresh.
-                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
+    # The daily schedule is stored and shown, but no run is created from it (no scheduler).
+    env = server_env(tmp)
     server, api = start_prefect_server(env, logs, cwd=tmp)
     worker = None
     try:
