@@ -241,7 +241,9 @@ def _guarded(body, cfg=None, meanwhile=()):
         raise typer.Exit(128 + sig) from None
     except StageFailed as e:
         # The script's log, or where the command's own traces go when it failed before a script wrote one.
-        log = e.log_path if e.log_path and Path(e.log_path).exists() else (Path(home) / RUN_TRACES if home else None)
+        # An empty log (the stage failed before its script wrote a line) points nowhere useful.
+        written = e.log_path and Path(e.log_path).exists() and Path(e.log_path).stat().st_size > 0
+        log = e.log_path if written else (Path(home) / RUN_TRACES if home else None)
         if not e.permanent:  # a rerun may get past it, and resumes from the last checkpoint
             _fail(f"{e.stage}: {e.message}; rerunning the command resumes (full log: {log})", 1)
         _fail(f"{e.stage}: {e.message} (full log: {log})", 2)
@@ -348,8 +350,8 @@ def run(
         *filter(None, [_unreadable_line(manifest, "  ").rstrip("\n")]),
         f"  dataset:      {data_out / 'manifest.json'}  (version {manifest['version']}, {len(manifest['shards'])} shards"
         f" in {data_out / 'shards'}; review.md, rejected/ beside it)",
-        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f} on held-out split "
-        f"{base.get('split', 'none recorded')}; every evaluation reads only that split)",
+        f"  base model:   {base['model_dir']}  (val_bpb {base['val_bpb']:.3f} at training's last evaluation, "
+        f"on held-out split {base.get('split', 'none recorded')}; every evaluation reads only that split)",
         f"  SFT model:    {result['sft']['model_dir']}",
         f"  reward model: {result['reward']['model_dir']}  ({STAGES['reward'].report(result['reward'])})",
         f"  PPO policy:   {result['ppo']['model_dir']}  ({STAGES['ppo'].report(result['ppo'])})",
@@ -372,8 +374,8 @@ def _figures(result: dict) -> list[str]:
     base, ppo = result["pretrain"], result["ppo"]
     ev = base.get("eval") or {}
     lines = ["", "Figures (held-out pages and questions no stage trained on):",
-             f"  base model   bits per byte {_fmt(ev.get('eval.lm.bpb', base.get('val_bpb')))} "
-             f"(unigram baseline {_fmt(base.get('unigram_bpb'))}); multiple choice on held-out pages "
+             f"  base model   bits per byte {_fmt(ev.get('eval.lm.bpb', base.get('val_bpb')))} at the end-of-stage "
+             f"evaluation (unigram baseline {_fmt(base.get('unigram_bpb'))}); multiple choice on held-out pages "
              f"{_fmt(ev.get('eval.mc.acc_norm'))} per byte, {_fmt(ev.get('eval.mc.acc'))} summed "
              f"(chance {_fmt(ev.get('eval.mc.chance'))}, {_fmt(ev.get('eval.mc.n'), '.0f')} tasks)"]
     sft_ev = result["sft"].get("eval") or {}
