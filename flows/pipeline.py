@@ -38,11 +38,10 @@ def train(config: Config, stage: str, inputs: dict[str, str], lineage: dict[str,
     settings = section.train.model_dump(mode="json")
     # A folder named by a setting keys the run by what it resolves to (runs/mlm/model -> the run
     # folder it links to now), so a retrained encoder or tokenizer is not taken for the old one.
-    folders = {role: str(Path(settings[name]).resolve())
-               for name, role in STAGES[stage].folder_settings if settings.get(name)}
+    folders = {}
     for name, role in STAGES[stage].folder_settings:
-        if role in folders:
-            settings[name] = folders[role]
+        if settings.get(name):
+            settings[name] = folders[role] = str(Path(settings[name]).resolve())
     lineage = {**lineage, **folder_input_tags(**folders)}
     return (task.submit if submit else task)(
         stage, {name: str(Path(path).resolve()) for name, path in inputs.items()}, str(Path(section.out).resolve()),
