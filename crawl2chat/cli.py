@@ -484,6 +484,14 @@ def main() -> None:  # pragma: no cover
     teardown (:func:`crawl2chat.stages.lifetime.exit_now`)."""
     from crawl2chat.stages.lifetime import exit_now
 
+    def stopped_before_work(signum, frame):  # noqa: ARG001 - a signal handler's signature
+        # SIGTERM while the command imports and starts up (its own handler, which closes the
+        # MLflow runs, is installed once there is work to stop): the same words, nothing to close.
+        print(f"stopped ({signal.Signals(signum).name}); rerunning the same command resumes where it stopped",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped_before_work)
     try:
         code = app()
     except SystemExit as e:

@@ -89,10 +89,11 @@ def _build(config: Config, out: str) -> dict:
     where = engine_line(engine, data.engine, data.local_max_mb)
     print(f"[data] building {plan.name} ({what}) -> {out} [{where}]", flush=True)
     work = plan.work_dir
-    extracted = t.extract_task(plan.files, work, data.extract, engine)
+    extracted = t.extract_task(plan.files, work, data.extract, engine, plan.site_templates)
     identified = t.langid_task(extracted, work, data.langid, engine)
     filtered = t.quality_task(identified, work, data.quality, engine)
-    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards, engine)
+    deduped = t.dedup_task(filtered, work, data.dedup, plan.previous_index, plan.previous_shards, engine,
+                           extracted, plan.previous_superseded)
     balanced = t.balance_task(deduped, work, data.balance, (plan.base or {}).get("balance_groups"), engine)
     results = [extracted, identified, filtered, deduped, balanced]
     if data.augment.enabled:

@@ -172,6 +172,7 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: 
             {
                 "pages_fetched": result.pages_fetched,
                 "pages_not_modified": result.pages_not_modified,
+                "pages_gone": result.pages_gone,
                 "mb_fetched": result.bytes_fetched / 2**20,
                 **{f"skipped.{metric_name(k)}": v for k, v in result.skipped.items()},
             }
@@ -179,7 +180,7 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: 
         mlflow.log_dict(mask_secrets(report), "crawl_report.json")
         print(crawl_summary(result, crawl_dir), flush=True)
     warcs = sorted(str(p) for p in (crawl_dir / "warc").glob("*.warc.gz"))
-    if result.pages_fetched + result.pages_not_modified == 0 and only is None:
+    if result.pages_fetched + result.pages_not_modified + result.pages_gone == 0 and only is None:
         # Nothing answered (a site down, robots.txt unreachable): not done, the next run crawls again.
         if only_input and not warcs:
             raise NothingUsableError(f"The crawl got no page ({why_nothing_fetched(result)}); nothing was built, "
@@ -200,7 +201,8 @@ def crawl_task(crawl_cfg: Any, out_dir: str, refresh: bool = False, only_input: 
 def crawl_summary(result, crawl_dir: Path) -> str:
     """``[data] crawl  7 pages fetched, 0 unchanged, 1 WARC files; not fetched: connection_error 20,
     off_domain 4 (see .../crawl_report.json)``."""
-    line = (f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged, "
+    gone = f", {result.pages_gone} gone (404/410)" if result.pages_gone else ""
+    line = (f"[data] crawl    {result.pages_fetched:>7} pages fetched, {result.pages_not_modified} unchanged{gone}, "
             f"{len(result.warc_paths)} WARC files")
     if result.skipped:
         reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(result.skipped.items(), key=lambda kv: -kv[1]))
@@ -262,12 +264,14 @@ def _recorded_step(name: str, params: dict, run: Callable[[Callable[[dict], None
 
 
 @_step_task("extract")
-def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any, engine: str = "ray") -> StepResult:
+def extract_task(files: Sequence[str], work_dir: str, extract_cfg: Any, engine: str = "ray",
+                 site_templates: dict | None = None) -> StepResult:
     def log_files(result: StepResult) -> None:
         mlflow.log_metric("unreadable_files", len([f for f in result.extra.get("files", []) if not f["ok"]]))
 
     return _recorded_step("extract", {"extract": extract_cfg.model_dump(), "input_files": len(files)},
-                          lambda on_count: steps.extract_step(list(files), work_dir, extract_cfg, on_count, engine),
+                          lambda on_count: steps.extract_step(list(files), work_dir, extract_cfg, on_count, engine,
+                                                              site_templates),
                           log_files, files=len(files), engine=engine)
 
 
@@ -295,7 +299,8 @@ def quality_task(upstream: StepResult, work_dir: str, cfg: Any, engine: str = "r
 
 @_step_task("dedup")
 def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Sequence[str],
-               previous_shards: Sequence[str] = (), engine: str = "ray") -> StepResult:
+               previous_shards: Sequence[str] = (), engine: str = "ray", captures: StepResult | None = None,
+               superseded: Sequence[str] = ()) -> StepResult:
     def log_stats(result: StepResult) -> None:
         stats = result.extra.get("dedup", {})
         mlflow.log_metrics({k: float(v) for k, v in stats.items() if isinstance(v, (int, float))})
@@ -306,7 +311,7 @@ def dedup_task(upstream: StepResult, work_dir: str, cfg: Any, previous_index: Se
     return _recorded_step("dedup", {"dedup": cfg.model_dump(), "previous_index": list(previous_index),
                                     "previous_shards": len(previous_shards)},
                           lambda on_count: steps.dedup_step(upstream, work_dir, cfg, previous_index, previous_shards,
-                                                            on_count, engine),
+                                                            on_count, engine, captures, superseded),
                           log_stats, total=upstream.kept, then="keys computed; grouping duplicates", engine=engine)
 
 

@@ -1119,3 +1119,22 @@ def test_embedded_site_serves_the_same_bytes_on_every_start():
             served.append({page: direct.open(site.url + page, timeout=120).read() for page in pages})
     assert served[0] == served[1]
     assert b"object object at 0x\xe2\x80\xa6" in served[0]["collections.html"]
+
+
+def test_a_data_command_stopped_while_it_starts_says_so(tmp_path):
+    """SIGTERM while the command still starts up (its project folder made, its local Prefect
+    API not yet answering): the same sentence and the shell's status, no process left."""
+    command = [str(Path(sys.executable).parent / "crawl2chat"), "data", "--input", str(tmp_path / "none.warc.gz")]
+    proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 60
+    while not (tmp_path / ".crawl2chat").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out.decode()[-2000:]
+    assert out.decode().strip().splitlines()[-1] == (
+        "stopped (SIGTERM); rerunning the same command resumes where it stopped")
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not left, left

@@ -23,13 +23,18 @@ with status 200 and an allowed content type whose payload is new or changed,
 and a ``revisit`` record for every page that is unchanged (a 304 answer to a
 conditional request, or a 200 whose payload digest equals the stored one).
 Redirects, error answers and skipped pages are counted in the report instead of
-stored, because everything in a ``response`` record is meant to become text.
+stored, because everything in a ``response`` record is meant to become text;
+the one exception is a page an earlier crawl stored that now answers 404 or 410:
+that answer is stored (without a body) as the page's latest capture, so the
+data stage retires the page's text.
 Bodies are stored as sent (Content-Encoding kept); their decompressed size is
 bounded while they stream in, so a compression bomb costs ``max_page_bytes``.
 
 Re-crawls into the same ``out_dir`` are incremental: ``crawl_state.json`` keeps,
 per URL, the validators (ETag, Last-Modified), the payload digest and the
 outlinks, so an unchanged page costs a 304 and its links are still followed.
+A re-crawl also asks for the stored pages that no link led to this time (a page
+taken off the site's navigation may still be there, or may be gone).
 The state and the WARC files commit together: before each save of the state the
 WARC file in progress is closed under its final name, and a restart discards
 unfinished ``.tmp`` files, whose pages the saved state does not know and which
@@ -97,6 +102,9 @@ POLICY_SKIPS = frozenset(
     {"robots", "off_domain", "excluded", "depth", "max_pages", "max_total_bytes", "content_type", "redirect_seen"}
 )
 # Reasons a later request may not meet again: the site down or overloaded, a connection cut.
+# Answers that say a page is gone for good; stored for a page an earlier crawl had stored.
+GONE_STATUSES = frozenset({404, 410})
+BODY_HEADERS = frozenset({"content-length", "content-encoding", "transfer-encoding"})
 TRANSIENT_SKIPS = frozenset({"connection_error", "timeout", "payload_error", "robots_unavailable", "http_429"})
 
 
@@ -137,6 +145,9 @@ class CrawlResult:
     warc_paths: list[str] = field(default_factory=list)
     pages_fetched: int = 0
     pages_not_modified: int = 0
+    # Pages an earlier crawl stored that now answer 404 or 410: each is stored as that answer, so the
+    # data stage retires the page's text (its latest capture says it is gone).
+    pages_gone: int = 0
     bytes_fetched: int = 0
     changed_urls: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
@@ -1011,6 +1022,8 @@ class Crawler:
             if fetched.status == 304 and self._recorded(current) in self.old_state:
                 self._not_modified(fetched, depth)
                 return True
+            if fetched.status in GONE_STATUSES and self._recorded(current) in self.old_state:
+                self._gone(fetched)
             if fetched.status != 200:
                 self._skip(current, f"http_{fetched.status}", depth)
                 self._retry_from(url, current)
@@ -1034,6 +1047,26 @@ class Crawler:
         self.state[key] = stored
         self.result.pages_not_modified += 1
         self._after_page([self._fetchable(link) for link in stored.get("outlinks", [])], depth)
+
+    def _gone(self, fetched: Fetched) -> None:
+        """A page an earlier crawl stored answers 404/410: that answer is stored as the page's
+        latest capture (the data stage then retires its text) and the state forgets the page."""
+        key = self._recorded(fetched.url)
+        writer = self.warc.writer
+        request = writer.create_warc_record(key, "request", http_headers=self._request_status_headers(fetched))
+        response = writer.create_warc_record(
+            key, "response", payload=io.BytesIO(b""), length=0,
+            http_headers=StatusAndHeaders(
+                f"{fetched.status} {fetched.reason}".strip(),
+                # The body was not read: no header may describe one.
+                [(k, v) for k, v in fetched.headers if k.lower() not in BODY_HEADERS],
+                protocol=fetched.http_version,
+            ),
+        )
+        self.warc.write(request, response)
+        self.state.pop(key, None)
+        self.result.pages_gone += 1
+        self.result.changed_urls.append(key)
 
     def _page(self, fetched: Fetched, depth: int) -> None:
         key = self._recorded(fetched.url)
@@ -1164,6 +1197,14 @@ class Crawler:
                 workers = [asyncio.create_task(self._worker()) for _ in range(self.cfg.global_concurrency)]
                 try:
                     await self.queue.join()
+                    if self.only is None and self.cfg.incremental:
+                        # Pages an earlier crawl stored that no link led to this time are asked for
+                        # too: a page taken off the site answers 404, and its text is retired.
+                        for recorded in self.old_state:
+                            url = self._fetchable(recorded)
+                            if url not in self.seen:
+                                self._enqueue(url, self.cfg.max_depth)
+                        await self.queue.join()
                 finally:
                     for worker in workers:
                         worker.cancel()

@@ -692,7 +692,8 @@ def _apply_decisions(part: pa.Table, columns: Sequence[str]) -> pa.Table:
 # ------------------------------------------------------------------ index
 
 
-def _load_previous_index(paths: Sequence[str], cfg: DedupConfig, eng: Any) -> ray.data.Dataset | None:
+def _load_previous_index(paths: Sequence[str], cfg: DedupConfig, eng: Any,
+                         retired: frozenset[str] = frozenset()) -> ray.data.Dataset | None:
     band_dirs = []
     for path in paths:
         fs, root = fsspec.core.url_to_fs(path)
@@ -703,9 +704,15 @@ def _load_previous_index(paths: Sequence[str], cfg: DedupConfig, eng: Any) -> ra
         band_dirs.append(f"{path.rstrip('/')}/bands")
     if not band_dirs:
         return None
-    return eng.read_parquet(band_dirs).map_batches(
-        _index_to_keys, fn_kwargs={"cfg": cfg}, batch_format="pyarrow"
-    )
+    rows = eng.read_parquet(band_dirs)
+    if retired:
+        rows = rows.map_batches(_without_ids, fn_kwargs={"ids": pa.array(sorted(retired), pa.string())},
+                                batch_format="pyarrow")
+    return rows.map_batches(_index_to_keys, fn_kwargs={"cfg": cfg}, batch_format="pyarrow")
+
+
+def _without_ids(batch: pa.Table, ids: pa.Array) -> pa.Table:
+    return batch.filter(pc.invert(pc.fill_null(pc.is_in(batch["id"], value_set=ids), False)))
 
 
 def _with_node_shard(batch: pa.Table, num_shards: int) -> pa.Table:
@@ -806,6 +813,7 @@ def dedup(
     previous_index: Sequence[str] = (),
     previous_ids: Sequence[str] = (),
     tally: Any = None,
+    retired: frozenset[str] = frozenset(),
 ) -> tuple[ray.data.Dataset, dict]:
     """Mark repeated records, exact and near duplicates in ``ds``; returns (documents, stats).
 
@@ -819,8 +827,9 @@ def dedup(
     members of a cluster get ``dup_cluster`` (the id of the document the cluster
     keeps; null for singletons; a repeated record's own id). A new document that
     duplicates one in ``previous_index`` (folders written by an earlier run as
-    ``work_dir/index``) is dropped; indexed ones never are. This run's kept
-    documents are indexed under ``work_dir/index``.
+    ``work_dir/index``) is dropped; indexed ones never are, and ``retired`` ones
+    (documents a later capture of their page superseded) are left out of the
+    comparison. This run's kept documents are indexed under ``work_dir/index``.
 
     ``tally`` (:mod:`~crawl2chat.stages.data.counting`) counts the documents
     whose keys are computed.
@@ -862,7 +871,7 @@ def dedup(
     if stats["repeated_records"]:
         log.info("dedup: %d repeated records (ids already read)", stats["repeated_records"])
     all_keys = keys
-    old_keys = _load_previous_index(previous_index, cfg, engine_of(ds))
+    old_keys = _load_previous_index(previous_index, cfg, engine_of(ds), retired)
     if old_keys is not None:
         all_keys = keys.union(old_keys)
     edges = (

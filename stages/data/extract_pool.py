@@ -55,7 +55,8 @@ def extract_processes(files: Sequence[str], extract_cfg: Any) -> int:
     return min(cpus, len(files)) if mb >= EXTRACT_POOL_MIN_MB[extract_cfg.extractor] else 1
 
 
-def write_group(group: Sequence[str], out_dir: str, extract_cfg: Any) -> int:
+def write_group(group: Sequence[str], out_dir: str, extract_cfg: Any,
+                site_templates: dict[str, list[str]] | None = None) -> int:
     """Extract one group of files into ``out_dir`` (Parquet files of up to 512 rows); the
     number of documents written (file-status rows not counted)."""
     import uuid
@@ -67,7 +68,7 @@ def write_group(group: Sequence[str], out_dir: str, extract_cfg: Any) -> int:
     from crawl2chat.stages.data.pipeline import FILE_STATUS, extract_files
 
     prefix, documents = uuid.uuid4().hex[:12], 0
-    for i, table in enumerate(extract_files({"path": list(group)}, extract_cfg, 512)):
+    for i, table in enumerate(extract_files({"path": list(group)}, extract_cfg, 512, site_templates=site_templates)):
         pq.write_table(table, f"{out_dir}/{prefix}_{i:06d}.parquet", compression="zstd")
         is_status = pc.fill_null(pc.equal(table["record_type"], FILE_STATUS), False)
         documents += table.num_rows - int(pc.sum(pc.cast(is_status, pa.int64())).as_py() or 0)
@@ -75,7 +76,8 @@ def write_group(group: Sequence[str], out_dir: str, extract_cfg: Any) -> int:
 
 
 def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, processes: int,
-                         on_done: Callable[[int, int], None]) -> None:
+                         on_done: Callable[[int, int], None],
+                         site_templates: dict[str, list[str]] | None = None) -> None:
     """Extract ``files`` into ``out_dir`` with this process and ``processes - 1`` workers,
     all taking the input's groups of a few files (four groups per process) from one queue;
     ``on_done(documents, files)`` is called as each group is written. What a worker prints on
@@ -88,7 +90,8 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
     # Largest groups first, so the last ones to finish are small (files of unknown size count as 0).
     queue = deque(sorted((list(files[i::n_groups]) for i in range(n_groups)), key=_size, reverse=True))
     lock = threading.Lock()
-    job = json.dumps({"out_dir": out_dir, "extract": extract_cfg.model_dump(mode="json")})
+    job = json.dumps({"out_dir": out_dir, "extract": extract_cfg.model_dump(mode="json"),
+                      "site_templates": site_templates})
     workers: list[_Worker] = []
     try:
         for _ in range(processes - 1):
@@ -101,7 +104,7 @@ def extract_in_processes(files: Sequence[str], out_dir: str, extract_cfg: Any, p
                 group = queue.popleft() if queue else None
             if group is None or any(w.stopped_early() for w in workers):  # the step fails: no more work
                 break
-            documents = write_group(group, out_dir, extract_cfg)
+            documents = write_group(group, out_dir, extract_cfg, site_templates)
             with lock:
                 on_done(documents, len(group))
         for worker in workers:
@@ -200,7 +203,7 @@ def _worker() -> None:
     print("ready", file=talk, flush=True)
     for line in sys.stdin:
         group = json.loads(line)
-        documents = write_group(group, job["out_dir"], cfg)
+        documents = write_group(group, job["out_dir"], cfg, job.get("site_templates"))
         kill_point("extract_pool:group_written")  # a fault drill's worker dies here (as the OOM killer kills one)
         print(documents, len(group), file=talk, flush=True)
 

@@ -42,6 +42,7 @@ from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.secrets import mask_secrets
 from crawl2chat.stages.data.versions import (
     MANIFEST,
+    SITE_TEMPLATES,
     VERSIONS_DIR,
     VersionPlan,
     content_digest,
@@ -235,21 +236,28 @@ def _write(ds: Any, out_dir: str) -> None:
 
 
 def extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
-                   tally: Any = None) -> Iterator[pa.Table]:
+                   tally: Any = None, site_templates: dict[str, list[str]] | None = None) -> Iterator[pa.Table]:
+    """Each file of ``batch["path"]`` -> tables of its documents, then its status row.
+    ``site_templates``: host -> template lines judged by earlier versions (removed too);
+    the lines judged in a file's windows go on its status row (``site_template``)."""
     from crawl2chat.stages.data.templates import strip_template_lines
     from crawl2chat.stages.data.warc_input import WarcReader
+
+    found: dict[str, set[str]] = {}
 
     def finish(docs: list[dict]) -> int:
         """Site template lines out of a window of documents (see stages.data.templates)."""
         if extract_cfg.template_min_share is None:
             return 0
-        removed = strip_template_lines(docs, extract_cfg.template_min_pages, extract_cfg.template_min_share)
+        removed = strip_template_lines(docs, extract_cfg.template_min_pages, extract_cfg.template_min_share,
+                                       site_templates, found)
         for doc in docs:
             if doc.get("template_lines") and len(doc["text"].strip()) < max(extract_cfg.min_text_chars, 1):
                 doc["drop_reason"] = "extract:template_only"
         return removed
 
     for path in batch["path"]:
+        found = {}
         reader = WarcReader(extract_cfg)
         docs: list[dict] = []
         records = template = 0
@@ -274,6 +282,8 @@ def extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
                 "file_error": errors or None,
                 "records_read": records,
                 "template_lines": template,
+                "site_template": json.dumps({h: sorted(lines) for h, lines in sorted(found.items())},
+                                            ensure_ascii=False) if found else None,
             }
         )
         yield to_table(docs, EXTRACT_COLUMNS)
@@ -282,14 +292,16 @@ def extract_files(batch: dict[str, Any], extract_cfg: Any, rows_per_table: int,
 
 
 def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count: OnCount | None = None,
-                 engine_name: str = RAY) -> StepResult:
+                 engine_name: str = RAY, site_templates: dict[str, list[str]] | None = None) -> StepResult:
     """WARC/WET files -> one document per response/conversion record. ``on_count``
     (see :mod:`~crawl2chat.stages.data.counting`) gets the documents read and files finished so far.
+    ``site_templates``: the template lines of the versions a refresh extends (host -> lines).
     Every step runs on the engine ``engine_name`` names (:mod:`~crawl2chat.stages.data.engine`);
     the engine is not part of a step's fingerprint: both give the same rows."""
     if not files:
         raise NothingUsableError("No input files were found to read.")
-    fp = fingerprint("extract", files_fingerprint(files), extract_cfg.model_dump())
+    fp = fingerprint("extract", files_fingerprint(files), extract_cfg.model_dump(),
+                     *([site_templates] if site_templates else []))
 
     def build(tmp: str) -> dict[str, Any]:
         eng = engine(engine_name)
@@ -297,7 +309,7 @@ def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count
         with counting(on_count, engine_name) as tally:
             if processes > 1:
                 extract_in_processes(files, tmp, extract_cfg, processes, lambda n, k: (
-                    report(tally, "documents", n), report(tally, "files", k)))
+                    report(tally, "documents", n), report(tally, "files", k)), site_templates)
                 return {"input_files": len(files), "processes": processes}
             # A few files per task: each Ray task costs a fixed ~0.3-0.4 s to schedule and write its
             # Parquet file, a third of the step at one file per task (64 WARC files on 2 cores:
@@ -307,7 +319,8 @@ def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count
                 extract_files,
                 batch_size=1,
                 batch_format="numpy",
-                fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512, "tally": tally},
+                fn_kwargs={"extract_cfg": extract_cfg, "rows_per_table": 512, "tally": tally,
+                           "site_templates": site_templates},
             )
             _write(ds, tmp)
         return {"input_files": len(files)}
@@ -315,6 +328,17 @@ def extract_step(files: Sequence[str], work_dir: str, extract_cfg: Any, on_count
     result = run_step("extract", work_dir, fp, build)
     result.extra["files"] = file_statuses(result.out_dir)
     return result
+
+
+def site_templates_found(step_dir: str, known: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """``known`` plus the template lines an extract step folder's files judged (host -> lines)."""
+    merged: dict[str, set[str]] = {h: set(lines) for h, lines in (known or {}).items()}
+    files = sorted(Path(step_dir).glob("*.parquet"))
+    if files:
+        for blob in pq.read_table(files, columns=["site_template"])["site_template"].drop_null().to_pylist():
+            for host, lines in json.loads(blob).items():
+                merged.setdefault(host, set()).update(lines)
+    return {h: sorted(lines) for h, lines in sorted(merged.items())}
 
 
 def file_statuses(step_dir: str) -> list[dict[str, Any]]:
@@ -447,24 +471,44 @@ def dedup_step(
     previous_shards: Sequence[str] = (),
     on_count: OnCount | None = None,
     engine_name: str = RAY,
+    captures: StepResult | None = None,
+    superseded: Sequence[str] = (),
 ) -> StepResult:
-    """Drop repeated records (an id read twice, or already in ``previous_shards``:
-    the shards of the versions a refresh extends), then exact and near
-    duplicates, also of the documents in the ``previous_index`` folders.
+    """Drop older captures of a page, repeated records (an id read twice, or already in
+    ``previous_shards``: the shards of the versions a refresh extends), then exact and
+    near duplicates, also of the documents in the ``previous_index`` folders.
+
+    ``captures``: the extract step of this build; a kept document whose URL has a
+    newer capture there or among the earlier versions' current documents is dropped as
+    ``dedup:older_capture`` (:mod:`~crawl2chat.stages.data.captures`). ``superseded``:
+    the earlier versions' superseded-id files; those documents are no longer
+    current, so neither their keys nor their captures count.
     ``on_count`` gets the documents whose dedup keys are computed so far."""
+    from crawl2chat.stages.data import captures as pages
     from crawl2chat.stages.data.dedup import dedup
 
+    later = [captures.fingerprint if captures else None, files_fingerprint(superseded)]
     fp = fingerprint(
-        "dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index), files_fingerprint(previous_shards)
+        "dedup", upstream.fingerprint, cfg.model_dump(), list(previous_index), files_fingerprint(previous_shards),
+        *(later if any(later) else []),
     )
 
     def build(tmp: str) -> dict[str, Any]:
         if upstream.kept == 0:
             return {}
+        retired = _ids_in(superseded)
+        older = set()
+        if captures is not None:
+            older = pages.older_captures(pages.read_captures(captures.out_dir),
+                                         pages.read_documents(previous_shards, retired))
         index_dir = os.path.join(tmp, "_index_work")
         with counting(on_count, engine_name) as tally:
-            ds, stats = dedup(read_kept(upstream.out_dir, engine_name), cfg, index_dir, list(previous_index),
-                              list(previous_shards), tally=tally)
+            kept = read_kept(upstream.out_dir, engine_name)
+            if older:
+                kept = kept.map_batches(_drop_ids, fn_kwargs={"ids": pa.array(sorted(older), pa.string()),
+                                                              "reason": pages.OLDER_CAPTURE}, batch_format="pyarrow")
+            ds, stats = dedup(kept, cfg, index_dir, list(previous_index), list(previous_shards), tally=tally,
+                              retired=retired)
             ds = ds.map_batches(lambda b: to_table(b.to_pylist(), DEDUP_COLUMNS), batch_format="pyarrow")
             _write(ds, tmp)
         # The persisted index sits beside the step output, outside the Parquet glob.
@@ -474,6 +518,18 @@ def dedup_step(
         return {"dedup": stats}
 
     return run_step("dedup", work_dir, fp, build)
+
+
+def _ids_in(files: Sequence[str]) -> frozenset[str]:
+    """The ``id`` column of Parquet files (superseded-id lists)."""
+    return frozenset(pq.read_table(list(files), columns=["id"])["id"].to_pylist()) if files else frozenset()
+
+
+def _drop_ids(batch: pa.Table, ids: pa.Array, reason: str) -> pa.Table:
+    hit = pc.fill_null(pc.is_in(batch["id"], value_set=ids), False)
+    reasons = pc.if_else(pc.and_(hit, pc.is_null(batch["drop_reason"])), pa.scalar(reason, pa.string()),
+                         batch["drop_reason"])
+    return batch.set_column(batch.column_names.index("drop_reason"), "drop_reason", reasons)
 
 
 # --------------------------------------------------------------------------- write
@@ -678,7 +734,7 @@ def write_dataset(
         version_dir = tmp / "version"
         version_dir.mkdir()
         superseded = list(base.get("superseded", []))
-        replaced = _superseded_rows(out, base, new_shards)
+        replaced = _superseded_rows(out, base, steps)
         if replaced.num_rows:
             pq.write_table(replaced, version_dir / "superseded.parquet")
             superseded.append(f"{VERSIONS_DIR}/{version}/superseded.parquet")
@@ -692,6 +748,10 @@ def write_dataset(
         for s in steps:
             drops.update(s.dropped)
         files = next((s.extra.get("files") for s in steps if s.name == "extract"), []) or []
+        extract = next((s for s in steps if s.name == "extract"), None)
+        templates = site_templates_found(extract.out_dir, plan.site_templates) if extract else plan.site_templates
+        if templates:
+            (version_dir / SITE_TEMPLATES).write_text(json.dumps(templates, ensure_ascii=False, indent=1))
         balance = next((s.extra for s in steps if s.name == "balance"), {})
         augment = next((s.extra for s in steps if s.name == "augment"), None)
         manifest = {
@@ -709,17 +769,18 @@ def write_dataset(
             "steps": [s.to_dict() for s in steps],
             "files": files,
             "unreadable_files": [f for f in files if not f["ok"]],
-            "input_files": list(base.get("input_files", [])) + [file_identity(f["path"]) for f in files],
+            "input_files": list(base.get("input_files", [])) + [file_identity(f["path"], out) for f in files],
             "shards": shards,
             "rejected": list(base.get("rejected", [])) + [f"rejected/{p.name}" for p in new_rejected],
             "dedup_indexes": indexes,
+            "site_templates": f"{VERSIONS_DIR}/{version}/{SITE_TEMPLATES}" if templates else None,
             "balance_groups": {"docs": balance.get("groups", {}), "sizes": balance.get("group_sizes", {})},
             "augmented": (
                 {"version_documents_added": augment.get("documents_added", 0),
                  "by_method": augment.get("augmented", {}), "source_documents": augment.get("source_documents", 0)}
                 if augment is not None else None
             ),
-            "content_digest": content_digest(shards),
+            "content_digest": content_digest(shards, superseded),
             "build_fingerprint": plan.fingerprint,
             "config": mask_secrets(config),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -770,22 +831,25 @@ def _keep_failed_build(out: Path, version: str, version_dir: Path, rejected: Seq
     return target
 
 
-def _superseded_rows(out: Path, base: dict[str, Any], new_shards: Sequence[Path]) -> pa.Table:
-    """``id, url`` of the earlier versions' documents whose page this version holds
-    again (a changed page kept by a refresh): the new copy replaces the old one."""
-    empty = pa.table({"id": pa.array([], pa.string()), "url": pa.array([], pa.string())})
-    if not base.get("shards") or not new_shards:
-        return empty
-    new_urls = pa.array(sorted({u for u in pq.read_table(new_shards, columns=["url"])["url"].to_pylist() if u}),
-                        pa.string())
-    if not len(new_urls):
-        return empty
-    old = pq.read_table([out / s["path"] for s in base["shards"]], columns=["id", "url"])
-    old = old.filter(pc.is_in(old["url"], value_set=new_urls))
-    already = superseded_ids(out, base)
-    if already and old.num_rows:
-        old = old.filter(pc.invert(pc.is_in(old["id"], value_set=pa.array(sorted(already), pa.string()))))
-    return old.select(["id", "url"])
+def _superseded_rows(out: Path, base: dict[str, Any], steps: Sequence[StepResult]) -> pa.Table:
+    """``id, url`` of the earlier versions' current documents whose page this version
+    captured again, newer (:mod:`~crawl2chat.stages.data.captures`): the newest capture
+    stands for the page, kept or not, unless it duplicates that very document."""
+    from crawl2chat.stages.data import captures as pages
+
+    extract = next((s for s in steps if s.name == "extract"), None)
+    if not base.get("shards") or extract is None:
+        return pages.superseded_documents(pages.empty(), pages.empty(), (), {})
+    old = pages.read_documents([out / s["path"] for s in base["shards"]], superseded_ids(out, base))
+    known = pq.read_table([out / s["path"] for s in base["shards"]], columns=["id"])["id"].to_pylist()
+    duplicate_of: dict[str, str] = {}
+    dedup = next((s for s in steps if s.name == "dedup"), None)
+    files = sorted(Path(dedup.out_dir).glob("*.parquet")) if dedup else []
+    if files:
+        rows = pq.read_table(files, columns=["id", "dup_cluster"])
+        rows = rows.filter(pc.invert(pc.is_null(rows["dup_cluster"])))
+        duplicate_of = dict(zip(rows["id"].to_pylist(), rows["dup_cluster"].cast(pa.string()).to_pylist()))
+    return pages.superseded_documents(pages.read_captures(extract.out_dir), old, set(known), duplicate_of)
 
 
 def _nothing_left_sentence(manifest: dict[str, Any], current: dict[str, Any] | None, failed: Path) -> str:

@@ -31,6 +31,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "file_error": pa.string(),
     "records_read": pa.int64(),
     "template_lines": pa.int32(),
+    "site_template": pa.string(),
     "lang": pa.string(),
     "lang_score": pa.float64(),
     "quality_score": pa.float64(),
@@ -38,12 +39,14 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     "dup_cluster": pa.string(),
 }
 
-EXTRACT_COLUMNS = (
+DOCUMENT_COLUMNS = (
     "id", "url", "source", "host", "content_type", "charset", "record_type",
     "fetched_at", "text", "drop_reason", "file_error", "records_read",
     "template_lines",
 )
-LANGID_COLUMNS = EXTRACT_COLUMNS + ("lang", "lang_score")
+# site_template: on a file's status row, the template lines judged in its windows ({host: [line, ...]}, JSON)
+EXTRACT_COLUMNS = DOCUMENT_COLUMNS + ("site_template",)
+LANGID_COLUMNS = DOCUMENT_COLUMNS + ("lang", "lang_score")
 QUALITY_COLUMNS = LANGID_COLUMNS + ("quality_score", "repeated_lines")
 DEDUP_COLUMNS = QUALITY_COLUMNS + ("dup_cluster",)
 

@@ -176,6 +176,7 @@ class ExtractConfig(BaseModel):
         description="A line found on at least this share of one host's pages within an input file "
         "(a window of up to 512 records) is the site's template (banner, navigation, footer) and is "
         "removed from each of them; a page left with no text is dropped as 'extract:template_only'. "
+        "The lines found are kept with the dataset version and removed from a refresh's pages of that host too. "
         "null keeps every line.",
     )
     template_min_pages: int = Field(

@@ -58,6 +58,8 @@ class VersionPlan:
     base: dict[str, Any] | None = None  # the manifest this version extends (refresh)
     previous_index: list[str] = field(default_factory=list)  # dedup indexes to deduplicate against
     previous_shards: list[str] = field(default_factory=list)  # shards whose ids this version must not repeat
+    previous_superseded: list[str] = field(default_factory=list)  # their superseded-id files (no longer current)
+    site_templates: dict[str, list[str]] = field(default_factory=dict)  # host -> template lines judged so far
     up_to_date: dict[str, Any] | None = None  # a committed manifest that already is this build
 
 
@@ -168,16 +170,22 @@ def restore_current(out_dir: str | os.PathLike) -> dict[str, Any] | None:
     return newest
 
 
-def file_identity(path: str) -> list[Any]:
-    """A file as a version remembers it: path and size (WARC files are never rewritten)."""
+def file_identity(path: str, root: str | os.PathLike | None = None) -> list[Any]:
+    """A file as a version remembers it: path and size (WARC files are never rewritten).
+    A file inside ``root`` (the data folder: its crawl's WARC files) is named relative to
+    it, so a data folder moved or copied elsewhere still knows which files it has read."""
     try:
-        return [path, os.stat(path).st_size]
+        size = os.stat(path).st_size
     except OSError:  # remote (fsspec) paths are identified by name
         return [path, -1]
+    if root is not None and Path(path).resolve().is_relative_to(Path(root).resolve()):
+        path = Path(path).resolve().relative_to(Path(root).resolve()).as_posix()
+    return [path, size]
 
 
-def build_fingerprint(kind: str, base: str | None, files: Sequence[str], settings: dict[str, Any]) -> str:
-    blob = json.dumps([kind, base, [file_identity(f) for f in files], settings], sort_keys=True, default=str)
+def build_fingerprint(kind: str, base: str | None, files: Sequence[str], settings: dict[str, Any],
+                      root: str | os.PathLike | None = None) -> str:
+    blob = json.dumps([kind, base, [file_identity(f, root) for f in files], settings], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -202,7 +210,7 @@ def plan_version(out_dir: str | os.PathLike, files: Sequence[str], settings: dic
         raise DamagedDataError(f"{damage[1]}; a refresh cannot extend a damaged version (build without refresh "
                                "to rebuild it, or restore the file)")
     if damage:
-        fp = build_fingerprint("full", None, files, settings)
+        fp = build_fingerprint("full", None, files, settings, out)
         if current.get("build_fingerprint") == fp and damage[0] == current["version"]:
             # This very build, damaged since: redo it under its own name, from its step folders.
             print(f"[data] {damage[1]}: rebuilding {current['version']}", flush=True)
@@ -211,15 +219,33 @@ def plan_version(out_dir: str | os.PathLike, files: Sequence[str], settings: dic
         current = None  # a full build stands alone: the damaged version is neither reused nor extended
     if refresh and current and current.get("version"):
         seen = {tuple(f) for f in current.get("input_files", [])}
-        new = [f for f in files if tuple(file_identity(f)) not in seen]
-        fp = build_fingerprint("refresh", current["version"], new, settings)
+        # (Older versions named every file by its absolute path.)
+        new = [f for f in files if tuple(file_identity(f, out)) not in seen and tuple(file_identity(f)) not in seen]
+        fp = build_fingerprint("refresh", current["version"], new, settings, out)
         previous = [str(out / p) for p in current.get("dedup_indexes", [])] + list(extra_index)
         shards = [str(out / s["path"]) for s in current.get("shards", [])]
+        superseded = [str(out / p) for p in current.get("superseded", [])]
         return VersionPlan(name, work, new, True, fp, base=current, previous_index=previous,
-                           previous_shards=shards, up_to_date=None if new else current)
-    fp = build_fingerprint("full", None, files, settings)
+                           previous_shards=shards, previous_superseded=superseded,
+                           site_templates=load_site_templates(out, current), up_to_date=None if new else current)
+    fp = build_fingerprint("full", None, files, settings, out)
     done = current if current and current.get("build_fingerprint") == fp else None
     return VersionPlan(name, work, list(files), False, fp, previous_index=list(extra_index), up_to_date=done)
+
+
+SITE_TEMPLATES = "site_templates.json"  # beside a version's manifest: host -> template lines judged so far
+
+
+def load_site_templates(out: Path, manifest: dict[str, Any]) -> dict[str, list[str]]:
+    """The site template lines a version holds (:mod:`~crawl2chat.stages.data.templates`); {} when none."""
+    path = manifest.get("site_templates")
+    if not path:
+        return {}
+    try:
+        return json.loads((out / path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DamagedDataError(f"{out / path} is unreadable ({type(e).__name__}); a refresh needs the site "
+                               "template lines it holds (build without refresh to rebuild them)") from e
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -230,12 +256,16 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def content_digest(shards: Sequence[dict[str, Any]]) -> str:
-    """The digest of a version's content: of its shards' digests, in order, so that
-    a refresh never re-reads the shards of earlier versions."""
+def content_digest(shards: Sequence[dict[str, Any]], superseded: Sequence[str] = ()) -> str:
+    """The digest of a version's content: of its shards' digests, in order, and of the
+    superseded-id files readers skip (each written once, by the version it names), so
+    that a refresh never re-reads the shards of earlier versions, and a refresh that
+    only retired pages (a 404) still changes it."""
     digest = hashlib.sha256()
     for shard in shards:
         digest.update(f"{shard['path']}:{shard['sha256']}\n".encode())
+    for path in superseded:
+        digest.update(f"superseded:{path}\n".encode())
     return "sha256:" + digest.hexdigest()
 
 
