@@ -85,6 +85,10 @@ def test_the_current_version_holds_each_page_as_the_site_has_it_now(prefect_api,
         fourth = data_flow(cfg, refresh=True)
         v4 = current(out)
 
+        # A full build (no refresh) over every WARC file the crawls wrote: the same pages.
+        fifth = data_flow(cfg)
+        v5 = current(out)
+
     assert sorted(v1) == [f"/page{i}" for i in range(7)], first["drop_reasons"]
 
     assert "/page2" not in v2 and "/page3" not in v2, sorted(v2)
@@ -100,6 +104,10 @@ def test_the_current_version_holds_each_page_as_the_site_has_it_now(prefect_api,
     assert "/page5" not in v4 and v4["/page0"].startswith(starts(page_text(0)))
     assert sorted(v4) == ["/page0", "/page1", "/page4", "/page6"]
     assert fourth["documents_kept"] == 4, fourth
+
+    assert fifth["base_version"] is None and v5 == v4, (sorted(v5), fifth["drop_reasons"])
+    # page1's first two texts, page2 and page3 before their 404s, page5 before it became a copy
+    assert fifth["drop_reasons"].get("dedup:older_capture") == 5
 
 
 def capture(writer: WARCWriter, url: str, html: str, date: str, n: int) -> None:
