@@ -85,7 +85,7 @@ def test_the_current_version_holds_each_page_as_the_site_has_it_now(prefect_api,
         fourth = data_flow(cfg, refresh=True)
         v4 = current(out)
 
-        # A full build (no refresh) over every WARC file the crawls wrote: the same pages.
+        # A full build (no refresh) over every WARC file the crawls wrote: the same texts.
         fifth = data_flow(cfg)
         v5 = current(out)
 
@@ -105,7 +105,8 @@ def test_the_current_version_holds_each_page_as_the_site_has_it_now(prefect_api,
     assert sorted(v4) == ["/page0", "/page1", "/page4", "/page6"]
     assert fourth["documents_kept"] == 4, fourth
 
-    assert fifth["base_version"] is None and v5 == v4, (sorted(v5), fifth["drop_reasons"])
+    # (Of page0 and page5, now one text, a build of its own keeps either.)
+    assert fifth["base_version"] is None and sorted(v5.values()) == sorted(v4.values()), sorted(v5)
     # page1's first two texts, page2 and page3 before their 404s, page5 before it became a copy
     assert fifth["drop_reasons"].get("dedup:older_capture") == 5
 
