@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"check": name, "processes": n, "ok": None,
                          "error": "skipped: needs 2 or more GPUs (one device per NCCL process)"})
             continue
+        if args.cpu_smoke and CHECKS[name][2] == "fsdp":  # refused on CPU (infra.launch.accelerate_command)
+            rows.append({"check": name, "processes": n, "ok": None,
+                         "error": "skipped: Accelerate runs FSDP on GPUs only"})
+            continue
         print(f"== {name}: {n} process(es)", flush=True)
         rows.append(run_check(name, n, args, data, tok, root))
         print(json.dumps(rows[-1]), flush=True)

@@ -202,6 +202,15 @@ def _module_imports(*modules: str) -> list:
     return [functools.partial(importlib.import_module, name) for name in modules]
 
 
+def _check_prefect_server() -> None:
+    """A Prefect server named by ``PREFECT_API_URL`` that does not answer: one sentence, before any work."""
+    from crawl2chat.infra.prefect_runtime import configured_api_url
+    from crawl2chat.infra.services import require
+
+    if url := configured_api_url():
+        require("Prefect server", url, "PREFECT_API_URL")
+
+
 def _guarded(body, cfg=None, meanwhile=()):
     """Run a flow; a failure that a rerun cannot fix (bad settings or data, divergence,
     a full disk) ends in one sentence and exit status 2, the full trace being in the
@@ -214,9 +223,15 @@ def _guarded(body, cfg=None, meanwhile=()):
     from crawl2chat.stages.settings import SettingsError
     from crawl2chat.stages.training.failures import StageFailed
 
+    from crawl2chat.infra.services import ServiceUnreachable
+
     home = cfg.home if cfg is not None else None
-    if cfg is not None:
-        _open_tracking(cfg)
+    try:
+        _check_prefect_server()
+        if cfg is not None:
+            _open_tracking(cfg)
+    except ServiceUnreachable as e:
+        _fail(str(e), 2)
     try:
         wait_for_embedded_api(meanwhile)
     except RuntimeError as e:
@@ -247,6 +262,8 @@ def _guarded(body, cfg=None, meanwhile=()):
         if not e.permanent:  # a rerun may get past it, and resumes from the last checkpoint
             _fail(f"{e.stage}: {e.message}; rerunning the command resumes (full log: {log})", 1)
         _fail(f"{e.stage}: {e.message} (full log: {log})", 2)
+    except ServiceUnreachable as e:
+        _fail(str(e), 2)
     except (NothingUsableError, DamagedDataError, FileNotFoundError, FolderBusy, SettingsError,
             NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError) as e:
         traces = Path(home) / RUN_TRACES if home else None
@@ -258,11 +275,14 @@ def _guarded(body, cfg=None, meanwhile=()):
     except Exception as e:  # noqa: BLE001 - out of disk space, a file size limit or memory: a rerun fails again
         # It may arrive wrapped: Prefect's API answering 500 to the failed task's state, its
         # own database having met the same limit.
+        from crawl2chat.infra.tracking import tracking_lost
         from crawl2chat.stages.resources import exhaustion
 
-        if (sentence := exhaustion(e)) is None:
-            raise
-        _fail(sentence, 2)
+        if (sentence := exhaustion(e)) is not None:
+            _fail(sentence, 2)
+        if (sentence := tracking_lost(e)) is not None:  # a rerun records it once the server is back
+            _fail(sentence, 1)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -458,7 +478,7 @@ def serve_flows(
     from prefect import serve
     from prefect.settings import get_current_settings
 
-    from crawl2chat.flows.deployments import served
+    from crawl2chat.flows.deployments import in_work_pools, served
 
     api = get_current_settings().api.url  # the environment's, or the active Prefect profile's
     if not api:
@@ -471,7 +491,13 @@ def serve_flows(
             _fail(f"could not create the automation '{NAME}' on the Prefect server {api}: "
                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 2)
         typer.echo(f"automation '{NAME}': flow runs silent for {crash_after} s are marked Crashed")
-    serve(*served(refresh_cron))
+    deployments = served(refresh_cron)
+    taken = in_work_pools(deployments)
+    if taken:
+        _fail(f"serve-flows would replace {len(taken)} deployments this server runs through a work pool "
+              f"({', '.join(taken[:2])}{', ...' if len(taken) > 2 else ''}; made by `prefect deploy`): keep using "
+              "the work pool's worker, or delete those deployments first (prefect deployment delete NAME).", 2)
+    serve(*deployments)
 
 
 from crawl2chat.serving_cli import register as _register_serving  # noqa: E402

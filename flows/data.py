@@ -111,7 +111,7 @@ def data_flow(config: Config = Config(), refresh: bool = False) -> dict:
     pages, deduplicated against every earlier version (same as ``data.refresh``).
     """
     config = with_refresh(config, refresh)
-    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     keep_run_traces(config.home)
+    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("data", {"data": config.data.model_dump(mode="json")}):
         return run_data_pipeline(config)

@@ -64,6 +64,25 @@ def served(refresh_cron: str = REFRESH_CRON) -> list:
     ]
 
 
+def in_work_pools(deployments: list) -> list[str]:
+    """``flow/name`` of the served ``deployments`` the server already holds for a work pool
+    (``prefect deploy`` of ``prefect.yaml``): serving would replace them with served ones that
+    a worker can no longer run."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    taken = []
+    with get_client(sync_client=True) as client:
+        for d in deployments:
+            try:
+                existing = client.read_deployment_by_name(f"{d.flow_name}/{d.name}")
+            except ObjectNotFound:
+                continue
+            if existing.work_pool_name:
+                taken.append(f"{d.flow_name}/{d.name} (work pool {existing.work_pool_name})")
+    return taken
+
+
 def prefect_yaml() -> str:
     import prefect
 

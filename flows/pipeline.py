@@ -69,8 +69,8 @@ def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
     version. Training stages whose inputs and settings are unchanged are reused.
     """
     config = with_refresh(config, refresh)
-    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     keep_run_traces(config.home)
+    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("pipeline", {"config": config.model_dump(mode="json")}) as run:
         manifest = run_data_pipeline(config)
         data_out = str(Path(config.data.out).resolve())
@@ -82,8 +82,8 @@ def pipeline_flow(config: Config = Config(), refresh: bool = False) -> dict:
 @flow(name="train")
 def train_flow(config: Config = Config(), data: str = "runs/data") -> dict:
     """Every training stage from an existing data-stage folder: base model, SFT, reward model, PPO (DPO)."""
-    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     keep_run_traces(config.home)
+    setup_tracking(config.home, config.tracking.experiment, config.tracking.uri)
     with pipeline_run("train", {"config": config.model_dump(mode="json"), "data": data}) as run:
         data = str(Path(data).resolve())
         base = train(config, "pretrain", {"data": data}, data_lineage(data))

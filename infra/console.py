@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 
 VERBOSE_ENV = "CRAWL2CHAT_VERBOSE"
 
@@ -36,6 +37,9 @@ CHATTER = tuple(re.compile(p) for p in (
     r"Still processing items: \d+ items remaining",
     # warcio's note that it percent-encoded a record's URL; the document keeps the encoded URL.
     r"Replacing spaces in invalid WARC-Target-URI",
+    # urllib3's note before each retry of a request to a tracking server that does not answer:
+    # the command says in one line what became of it (MLflow's buffered points, or the end).
+    r"^Retrying \(Retry\(total=\d+, .*\) after connection broken by",
 ))
 
 
@@ -90,12 +94,74 @@ class RunTraceFilter(logging.Filter):
             return True
 
 
+def outlive_output_reader() -> None:
+    """In a flow run that a Prefect worker (or ``serve-flows``) started, whose stdout and stderr
+    are pipes to that process: keep the run going if that process dies.
+
+    A write to a pipe nobody reads fails (``BrokenPipeError`` at the next ``print``, and
+    rich, under Prefect's console log handler, ends the process with ``SystemExit(1)``), so
+    a killed worker turned a run that finished its training into a Failed one. Each of the
+    two descriptors is put behind a pipe this process reads itself; a thread copies what
+    comes through to the worker while it listens, and drops it once the worker is gone.
+    What the run logs also goes to the API and ``HOME/logs/flow-runs.log``."""
+    import atexit
+    import stat
+    import threading
+
+    if not os.environ.get("PREFECT__FLOW_RUN_ID") or getattr(outlive_output_reader, "done", False):
+        return
+    outlive_output_reader.done = True
+    copies = []
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+        except OSError:
+            continue
+        reader = os.dup(fd)  # the worker's end
+        inner_read, inner_write = os.pipe()
+        os.dup2(inner_write, fd)
+        os.close(inner_write)
+        state = {"listening": True}
+        thread = threading.Thread(target=_copy_while_read, args=(inner_read, reader, state), daemon=True,
+                                  name=f"output-copy-{fd}")
+        thread.start()
+        copies.append((fd, reader, thread, state))
+
+    def drain() -> None:
+        # At exit: what is still in the inner pipes reaches the worker (if it listens) first.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, reader, thread, state in copies:
+            # Closes this process's write end of the inner pipe; a worker gone gets nothing more.
+            os.dup2(reader if state["listening"] else os.open(os.devnull, os.O_WRONLY), fd)
+        for _, _, thread, _ in copies:
+            thread.join(timeout=2.0)
+
+    atexit.register(drain)
+
+
+def _copy_while_read(source: int, target: int, state: dict) -> None:
+    while chunk := os.read(source, 1 << 16):
+        view = memoryview(chunk)
+        while state["listening"] and view:
+            try:
+                view = view[os.write(target, view):]
+            except OSError:  # the reader is gone (EPIPE): the rest is dropped
+                state["listening"] = False
+    os.close(source)
+
+
 def keep_run_traces(home: str | os.PathLike) -> str:
     """Write this process's flow and task run log lines to ``HOME/logs/flow-runs.log`` and
     keep failed runs' tracebacks off the terminal (:class:`RunTraceFilter`); returns the
     log file's path. Called by each flow as it starts, when Prefect's own handlers exist."""
     from pathlib import Path
 
+    outlive_output_reader()
     path = (Path(home) / RUN_TRACES).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     # On the root logger: the flow and task runs' records reach it (Prefect's loggers

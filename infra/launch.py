@@ -91,6 +91,13 @@ def accelerate_command(module: str, args: list[str], num_processes: int = 1,
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--num_processes", str(num_processes)]
     distributed = distributed_type(config)
+    if cpu and distributed == "FSDP":
+        from crawl2chat.stages.settings import SettingsError
+
+        # Accelerate runs CPU processes as MULTI_CPU and drops its FSDP plugin: plain DDP, no sharding.
+        raise SettingsError(f"accelerate_config={accelerate_config} asks for FSDP, which Accelerate runs on GPUs "
+                            "only (on CPU it would train plain DDP); on CPU shard with train.tp_size=2 and "
+                            "train.dp_shard=true, or use accelerate_config=deepspeed")
     deepspeed = distributed == "DEEPSPEED"
     # One machine: a free local port for the rendezvous; several: the main machine's address.
     rendezvous = node.args() if node is not None else ["--main_process_port", str(_free_port())]

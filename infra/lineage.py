@@ -31,6 +31,20 @@ def input_tags(**runs: str | None) -> dict[str, str]:
     return {f"{INPUT_PREFIX}{role}": run_id for role, run_id in runs.items() if run_id}
 
 
+def known_run(run_id: str | None) -> str | None:
+    """``run_id`` when this tracking store holds that run (an input recorded in another store,
+    such as a dataset built before ``MLFLOW_TRACKING_URI`` was set, is not linked)."""
+    if not run_id:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.MlflowClient().get_run(run_id)
+    except MlflowException:
+        return None
+    return run_id
+
+
 def model_input_tags(**stages: dict) -> dict[str, str]:
     """``model_input_tags(base=summary)`` -> run tags plus the model URI of each input model."""
     tags = input_tags(**{role: summary.get("run_id") for role, summary in stages.items()})
@@ -96,7 +110,10 @@ def resolve_run(ref: str) -> Run:
 
 
 def upstream(run: Run) -> list[tuple[str, Run]]:
-    """(role, run) of every input of ``run``, nearest first, recursively."""
+    """(role, run) of every input of ``run``, nearest first, recursively; an input run this
+    tracking store does not hold (recorded in another store) ends that branch."""
+    from mlflow.exceptions import MlflowException
+
     client = mlflow.MlflowClient()
     chain, seen, frontier = [], {run.info.run_id}, [run]
     while frontier:
@@ -104,7 +121,10 @@ def upstream(run: Run) -> list[tuple[str, Run]]:
         for key, value in sorted(current.data.tags.items()):
             if key.startswith(INPUT_PREFIX) and value not in seen:
                 seen.add(value)
-                parent = client.get_run(value)
+                try:
+                    parent = client.get_run(value)
+                except MlflowException:
+                    continue
                 chain.append((key[len(INPUT_PREFIX):], parent))
                 frontier.append(parent)
     return chain

@@ -105,6 +105,12 @@ def _database(prefect_home: Path) -> Path | None:
     return None if url else prefect_home / _DB_NAME
 
 
+def configured_api_url() -> str | None:
+    """The Prefect server the user named (``PREFECT_API_URL``), not this command's own."""
+    url = os.environ.get("PREFECT_API_URL")
+    return url if url and url != _EmbeddedAPI.url else None
+
+
 def start_embedded_api(home: str) -> None:
     """Start this command's temporary Prefect API server in the background and point
     Prefect at it (``PREFECT_API_URL``); a no-op when a server is configured."""

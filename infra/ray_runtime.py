@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 
 import ray
 from ray.data.context import ShuffleStrategy
 
+from crawl2chat.infra.services import ServiceUnreachable, require
 from crawl2chat.stages.lifetime import hold_lifeline
 
 log = logging.getLogger(__name__)
@@ -107,7 +110,19 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
             # raylet to it (a parent-death signal); the raylet's agents are told of the
             # raylet's death through a pipe instead of noticing it by polling.
             os.environ.setdefault("RAY_enable_pipe_based_agent_to_parent_health_check", "1")
-        ray.init(**kwargs)
+        if address:
+            require("Ray cluster", address, "RAY_ADDRESS")
+        # ray.init puts in its own SIGTERM handler (sys.exit): the command's, which closes its
+        # runs and says it stopped, is put back.
+        on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+        try:
+            ray.init(**kwargs)
+        except ConnectionError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ServiceUnreachable(f"The Ray cluster at {address} (RAY_ADDRESS) could not be joined: {first}") from e
+        finally:
+            if on_term is not None:
+                signal.signal(signal.SIGTERM, on_term)
         ensure_ray.started_local = not address
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()

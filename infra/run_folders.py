@@ -46,20 +46,23 @@ def input_identity(path: str) -> str:
 
 
 def run_folder(out: str | Path, stage: str, inputs: dict[str, str], identities: dict[str, str],
-               settings: dict[str, Any]) -> Path:
+               settings: dict[str, Any], launch: dict[str, Any] | None = None) -> Path:
     """``OUT/<key>``: the run folder of this stage on these inputs (by their
-    :func:`input_identity`) with these settings.
+    :func:`input_identity`) with these settings, launched so (``launch``: the process
+    count, machines and Accelerate config, when not one plain process: they change the
+    batches each rank sees and the checkpoints' format).
 
     Changed data or settings give a new key, so a new run starts beside the old
     one; the same key resumes (or, finished, reuses) the run. ``OUT/model`` links
     to the newest finished run's model.
     """
-    key = hashlib.sha256(json.dumps([stage, identities, settings], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    parts = [stage, identities, settings] + ([launch] if launch else [])
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
     run_dir = Path(out).resolve() / key
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / RUN_FILE).exists():
         payload = {"stage": stage, "key": key, "inputs": inputs, "identities": identities,
-                   "settings": mask_secrets(settings)}
+                   "settings": mask_secrets(settings), "launch": launch or {}}
         tmp = run_dir / f".{RUN_FILE}.tmp"
         tmp.write_text(json.dumps(payload, indent=2, default=str))
         os.replace(tmp, run_dir / RUN_FILE)

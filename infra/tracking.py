@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import mlflow
 
+from crawl2chat.infra.services import require, unreachable
 from crawl2chat.infra.sqlite_templates import copy_template, save_template, template_path
 from crawl2chat.stages.secrets import mask_secrets
 
@@ -55,11 +56,40 @@ def _without_experiments(con) -> None:
     con.execute("DELETE FROM experiments")
 
 
+SERVER_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+def tracking_lost(error: BaseException) -> str | None:
+    """One sentence when ``error`` (or an error it was raised from) is the tracking server no
+    longer answering; None otherwise."""
+    from mlflow.exceptions import MlflowException
+
+    uri = mlflow.get_tracking_uri()
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (MlflowException, ConnectionError)) or type(seen).__module__.startswith(
+                ("requests", "urllib3")):
+            why = unreachable(uri)
+            if why:
+                return (f"The MLflow tracking server at {uri} stopped answering ({why}); what was trained is "
+                        "kept on disk, and rerunning the command once the server answers records it.")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def setup_tracking(home: str | Path, experiment: str, configured: str | None = None) -> str:
     """Point MLflow at the store and make sure the experiment exists (artifacts under home).
     A new SQLite store starts from the machine's migrated template
     (:mod:`crawl2chat.infra.sqlite_templates`) instead of MLflow's migration chain."""
     uri = tracking_uri(home, configured)
+    require("MLflow tracking server", uri, "tracking.uri" if configured else "MLFLOW_TRACKING_URI")
+    if uri.startswith(("http://", "https://")):
+        # A server that goes away costs each call MLflow's whole retry schedule (7 retries with
+        # doubling waits: ~4 minutes), and a stage makes dozens after training: fewer and
+        # shorter retries, so a lost server is said within a minute (unless set otherwise).
+        for name, value in SERVER_RETRIES.items():
+            os.environ.setdefault(name, value)
     db = _sqlite_file(uri)
     fresh = db is not None and not db.exists() and not copy_template(_mlflow_template(), db)
     mlflow.set_tracking_uri(uri)

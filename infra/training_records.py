@@ -170,7 +170,15 @@ class MetricsFollower:
             self._release()
         deadline = time.monotonic() + self._drain_timeout
         while not self.poll() and time.monotonic() < deadline:
+            if self._server_gone():  # a server that refuses connections is not waited for
+                break
             time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
+
+    def _server_gone(self) -> bool:
+        from crawl2chat.infra.services import unreachable
+
+        uri = self.client.tracking_uri if hasattr(self.client, "tracking_uri") else mlflow.get_tracking_uri()
+        return bool(unreachable(uri))
 
     def stop(self, drain_timeout: float = 60.0) -> bool:
         """Stop following after a last read; keep retrying unsent points for up to

@@ -376,7 +376,7 @@ def current_version_task(out_dir: str, plan: VersionPlan) -> dict:
 
 def data_lineage(data: str) -> dict[str, str]:
     """Lineage tags of a training stage reading a data-stage folder: its path, version, digest and write run."""
-    from crawl2chat.infra.lineage import input_tags
+    from crawl2chat.infra.lineage import input_tags, known_run
     from crawl2chat.stages.data.versions import read_manifest
 
     manifest = read_manifest(data) if Path(data).is_dir() else None
@@ -384,7 +384,7 @@ def data_lineage(data: str) -> dict[str, str]:
         return {"crawl2chat.data_path": data}
     return {"crawl2chat.data_path": data, "crawl2chat.data_digest": manifest.get("content_digest", ""),
             "crawl2chat.data_version": str(manifest.get("version")),
-            **input_tags(data=version_run_id(data, manifest.get("version")))}
+            **input_tags(data=known_run(version_run_id(data, manifest.get("version"))))}
 
 
 def log_dataset(manifest: dict, out_dir: str, context: str) -> None:

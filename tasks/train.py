@@ -161,8 +161,10 @@ def launch_across_nodes(stage: str, inputs: dict[str, str], out: str | Path, nod
 
     from crawl2chat.infra.ray_runtime import ensure_ray
 
+    from crawl2chat.stages.settings import SettingsError
+
     if num_processes % nodes:
-        raise ValueError(f"num_processes={num_processes} must split evenly over nodes={nodes}")
+        raise SettingsError(f"num_processes={num_processes} must split evenly over nodes={nodes}")
     spec = STAGES[stage]
     argv = script_argv(inputs, out, config, max_steps, overrides)
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -174,8 +176,8 @@ def launch_across_nodes(stage: str, inputs: dict[str, str], out: str | Path, nod
         importlib.import_module(spec.module).prepare_on_host(argv)
     machines = len({n["NodeID"] for n in ray.nodes() if n.get("Alive")})
     if placement == "STRICT_SPREAD" and machines < nodes:
-        raise ValueError(f"nodes={nodes} needs {nodes} machines in the Ray cluster; it has {machines} "
-                         f"(start Ray on more machines, or lower nodes)")
+        raise SettingsError(f"nodes={nodes} needs {nodes} machines in the Ray cluster; it has {machines} "
+                            f"(start Ray on more machines, or lower nodes)")
     group = placement_group([{"CPU": 1}] * nodes, strategy=placement)
     try:
         ray.get(group.ready(), timeout=120)
@@ -307,7 +309,7 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
                     inputs: dict[str, str], lineage: dict[str, str] | None, registered_name: str | None,
                     extra_artifacts: Callable[[dict], None] | None = None,
                     evaluate: Callable[[dict], dict] | None = None,
-                    params: dict[str, Any] | None = None) -> dict:
+                    params: dict[str, Any] | None = None, launch_key: dict[str, Any] | None = None) -> dict:
     """Run one training stage inside its MLflow child run: settings file, launch, metrics,
     model folder, registration, lineage tags. Returns the stage's summary.
 
@@ -317,7 +319,7 @@ def record_training(stage: str, out: str, settings: dict[str, Any], launch: Call
     checksums). The run folder is held (:func:`hold_folder`) throughout.
     """
     identities = {role: input_identity(path) for role, path in sorted(inputs.items()) if path}
-    run_dir = run_folder(out, stage, inputs, identities, settings)
+    run_dir = run_folder(out, stage, inputs, identities, settings, launch_key)
     with hold_folder(run_dir):  # one writer per run folder, from the reuse check to the done marker
         return _record_training(stage, out, run_dir, settings, launch, inputs, identities, lineage, registered_name,
                                 extra_artifacts, evaluate, params)
@@ -485,6 +487,14 @@ def _sizing_record(path: Path, key: str, settings: dict[str, Any], minutes: floa
     return record
 
 
+def launch_key(num_processes: int, nodes: int, accelerate_config: str | None) -> dict[str, Any] | None:
+    """What of a launch keys its run folder: anything but one plain process (whose runs keep
+    the keys they had before launches were part of it)."""
+    if num_processes == 1 and nodes == 1 and not accelerate_config:
+        return None
+    return {"num_processes": num_processes, "nodes": nodes, "accelerate_config": accelerate_config}
+
+
 def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str, Any], num_processes: int = 1,
                 accelerate_config: str | None = None, lineage: dict[str, str] | None = None,
                 registered_name: str | None = None, eval_data: str | None = None, nodes: int = 1,
@@ -514,7 +524,8 @@ def train_stage(stage: str, inputs: dict[str, str], out: str, settings: dict[str
     summary = record_training(stage, out, settings, launch, inputs, lineage, registered_name, artifact_dirs,
                               evaluate=_evaluation(stage, inputs, settings, eval_data),
                               params={"num_processes": num_processes, "nodes": nodes, "cpu_share": cpu_share,
-                                      **({"minutes": minutes} if minutes is not None else {})})
+                                      **({"minutes": minutes} if minutes is not None else {})},
+                              launch_key=launch_key(num_processes, nodes, accelerate_config))
     print(f"[{stage}] {spec.report(summary)} -> {summary['model_dir']}", flush=True)
     return summary
 

@@ -232,3 +232,17 @@ def test_deployments_run_from_the_ui_form(deployed):
 
     # Stopping the worker leaves no process behind (flow-run processes and their Ray included).
     assert deployed.stop_worker() == []
+
+
+def test_serve_flows_does_not_replace_the_work_pool_deployments(deployed):
+    """`crawl2chat serve-flows` against the server that `prefect deploy` filled: refused in one
+    sentence, the work pool's deployments left as they were (a worker still runs them)."""
+    import sys
+
+    env = dict(server_env(deployed.tmp), PREFECT_API_URL=deployed.api)
+    proc = subprocess.run([str(Path(sys.executable).parent / "crawl2chat"), "serve-flows", "--crash-after", "0"],
+                          env=env, cwd=deployed.tmp, capture_output=True, text=True, timeout=300)
+    last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+    assert proc.returncode == 2 and "through a work pool" in last, proc.stdout[-2000:] + proc.stderr[-2000:]
+    refresh = api_call(deployed.api, "GET", "/deployments/name/data/data-refresh")
+    assert refresh["work_pool_name"] == WORK_POOL["name"] and refresh["pull_steps"], refresh

@@ -131,3 +131,28 @@ def test_a_model_folder_is_traced_from_any_folder_without_making_a_store(tmp_pat
                              text=True, timeout=300)
     assert missing.returncode == 2 and "no MLflow store here" in missing.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+def test_an_input_recorded_in_another_store_is_not_linked_and_does_not_break_the_walk(tmp_path):
+    """A dataset built with the embedded store, trained on with a tracking server: the
+    training run links no data run it cannot show, and a run that names one anyway
+    (recorded before) is still traced."""
+    import json
+
+    from crawl2chat.tasks.data import data_lineage
+
+    setup_tracking(tmp_path / "elsewhere", "lineage-test")
+    with mlflow.start_run(run_name="write") as run:
+        elsewhere = run.info.run_id
+    data = tmp_path / "data"
+    (data / "versions" / "v0001").mkdir(parents=True)
+    (data / "manifest.json").write_text(json.dumps({"version": "v0001", "content_digest": "sha256:ab", "shards": []}))
+    (data / "versions" / "v0001" / "mlflow_run.json").write_text(json.dumps({"run_id": elsewhere}))
+
+    setup_tracking(tmp_path / "here", "lineage-test")
+    tags = data_lineage(str(data))
+    assert tags["crawl2chat.data_version"] == "v0001" and "crawl2chat.input.data" not in tags
+    with mlflow.start_run(run_name="pretrain", tags={"crawl2chat.stage": "pretrain", **input_tags(data=elsewhere)}) as run:
+        here = run.info.run_id
+    up = format_lineage(here).partition("this:")[0]
+    assert elsewhere not in up

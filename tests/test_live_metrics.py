@@ -186,3 +186,40 @@ def test_a_tracking_server_that_stops_answering_does_not_stop_training(base, tmp
         # Every step is there (a request the frozen server took in late may add a copy of its points).
         assert sorted({m.step for m in history}) == list(range(1, STEPS + 1)), key
         assert {(m.step, m.timestamp) for m in history} == {(r["step"], int(r["time"] * 1000)) for r in rows}, key
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_goes_away_for_good_is_said_in_one_sentence(base, tmp_path, mlflow_server):
+    """`crawl2chat reward` against a real `mlflow server` that is killed mid-run: training
+    finishes, the command ends within a couple of minutes (not MLflow's ~4 minutes of
+    retries per call) with one sentence naming the server and exit status 1 (a rerun
+    records it), and the trained model is on disk."""
+    proc, url = mlflow_server
+    data = write_jsonl(tmp_path / "prefs.jsonl", rule_pairs(80))
+    out = tmp_path / "reward"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=url)
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"):
+        env.pop(name, None)
+    cmd = [str(Path(sys.executable).parent / "crawl2chat"), "reward", "--base", str(base), "--data", str(data),
+           "--out", str(out), *[a for k, v in {**SETS, "max_steps": 400}.items()
+                                  for a in ("--set", f"reward.train.{k}={v}")]]
+    said = tmp_path / "command.log"
+    command = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=open(said, "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and command.poll() is None:
+        if len(list(out.glob("*/metrics.jsonl"))) and len(_step_rows(next(out.glob("*/metrics.jsonl")))) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    killed = time.time()
+    command.wait(timeout=400)
+    took = time.time() - killed
+    said = said.read_text()
+    last = said.strip().splitlines()[-1]
+    assert command.returncode == 1, said[-3000:]
+    assert last.startswith(f"error: The MLflow tracking server at {url} stopped answering"), said[-3000:]
+    assert took < 200, took
+    assert "Retrying (Retry(" not in said  # urllib3's notices stay in the log file
+    (run,) = [p for p in out.iterdir() if (p / "metrics.jsonl").exists()]
+    assert (run / "model" / "model.safetensors").exists()

@@ -19,6 +19,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from crawl2chat.stages.settings import SettingsError
 from crawl2chat.infra.launch import LaunchError, NodeLayout, accelerate_command, run_streaming, simple_launch
 from crawl2chat.stages.training.pretrain import TokenWindows, causal_lm_loss, prepare_data
 from crawl2chat.stages.training.settings import PretrainConfig
@@ -370,6 +371,9 @@ def test_accelerate_command_and_streaming_failure(tmp_path):
     assert "--multi_gpu" in ddp and ddp[ddp.index("--config_file") + 1].endswith("cpu_ddp.yaml")
     fsdp = accelerate_command("m", [], num_processes=8, accelerate_config="fsdp", cpu=False)
     assert "--multi_gpu" not in fsdp and fsdp[fsdp.index("--config_file") + 1].endswith("fsdp.yaml")
+    # On CPU, Accelerate would drop FSDP and train plain DDP: refused, not ignored.
+    with pytest.raises(SettingsError, match="accelerate_config=fsdp asks for FSDP"):
+        accelerate_command("m", [], num_processes=2, accelerate_config="fsdp", cpu=True)
     # One machine of several: its rank and the main machine's rendezvous, the total process count.
     for config in (None, "fsdp"):
         multi = accelerate_command("m", [], num_processes=16, accelerate_config=config, cpu=False,
