@@ -334,7 +334,8 @@ def site_templates_found(step_dir: str, known: dict[str, list[str]] | None = Non
     """``known`` plus the template lines an extract step folder's files judged (host -> lines)."""
     merged: dict[str, set[str]] = {h: set(lines) for h, lines in (known or {}).items()}
     files = sorted(Path(step_dir).glob("*.parquet"))
-    if files:
+    # (A step folder an earlier release wrote has no such column.)
+    if files and "site_template" in pq.read_schema(files[0]).names:
         for blob in pq.read_table(files, columns=["site_template"])["site_template"].drop_null().to_pylist():
             for host, lines in json.loads(blob).items():
                 merged.setdefault(host, set()).update(lines)
