@@ -101,10 +101,10 @@ RETRY_STATUSES = frozenset({429, 503})
 POLICY_SKIPS = frozenset(
     {"robots", "off_domain", "excluded", "depth", "max_pages", "max_total_bytes", "content_type", "redirect_seen"}
 )
-# Reasons a later request may not meet again: the site down or overloaded, a connection cut.
 # Answers that say a page is gone for good; stored for a page an earlier crawl had stored.
 GONE_STATUSES = frozenset({404, 410})
 BODY_HEADERS = frozenset({"content-length", "content-encoding", "transfer-encoding"})
+# Reasons a later request may not meet again: the site down or overloaded, a connection cut.
 TRANSIENT_SKIPS = frozenset({"connection_error", "timeout", "payload_error", "robots_unavailable", "http_429"})
 
 
