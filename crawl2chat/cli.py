@@ -220,10 +220,9 @@ def _guarded(body, cfg=None, meanwhile=()):
     from crawl2chat.stages.data.pipeline import NothingUsableError
     from crawl2chat.stages.data.versions import DamagedDataError
     from crawl2chat.stages.locks import FolderBusy
+    from crawl2chat.infra.services import ServiceUnreachable
     from crawl2chat.stages.settings import SettingsError
     from crawl2chat.stages.training.failures import StageFailed
-
-    from crawl2chat.infra.services import ServiceUnreachable
 
     home = cfg.home if cfg is not None else None
     try:

@@ -67,13 +67,15 @@ def tracking_lost(error: BaseException) -> str | None:
 
     uri = mlflow.get_tracking_uri()
     seen: BaseException | None = error
-    while seen is not None:
+    visited: set[int] = set()
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
         if isinstance(seen, (MlflowException, ConnectionError)) or type(seen).__module__.startswith(
                 ("requests", "urllib3")):
             why = unreachable(uri)
             if why:
-                return (f"The MLflow tracking server at {uri} stopped answering ({why}); what was trained is "
-                        "kept on disk, and rerunning the command once the server answers records it.")
+                return (f"The MLflow tracking server at {uri} stopped answering ({why}); the work done is kept "
+                        "on disk, and rerunning the command once the server answers records it without redoing it.")
         seen = seen.__cause__ or seen.__context__
     return None
 
