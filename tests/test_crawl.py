@@ -299,6 +299,31 @@ def test_depth_limit(tmp_path):
     assert result.skipped["depth"] == 1  # /p3, the first link beyond depth 2
 
 
+def test_a_signal_raised_inside_a_fetch_stops_the_crawl(tmp_path, monkeypatch):
+    """SIGTERM's exception (Prefect's TerminationSignal, a BaseException) can land while a
+    worker task runs Python code rather than while the loop waits: asyncio keeps such an
+    exception on the task, and the other workers used to crawl the whole site on. The crawl
+    now raises it: no page is asked for after it, and what was written is committed."""
+    from prefect.exceptions import TerminationSignal
+
+    follow = crawl_module.Crawler._follow
+    visits = []
+
+    async def signal_at_the_third(self, url, depth):
+        visits.append(url)
+        if len(visits) == 3:
+            raise TerminationSignal(signal=signal.SIGTERM)  # as the signal handler raises it, here
+        return await follow(self, url, depth)
+
+    monkeypatch.setattr(crawl_module.Crawler, "_follow", signal_at_the_third)
+    with LocalServer(chain_routes(6)) as server:
+        with pytest.raises(TerminationSignal):
+            crawl(quick_config(server.url + "/p0", global_concurrency=2), tmp_path)
+        asked = [p for p in server.paths() if p != "/robots.txt"]
+    assert len(asked) <= 3, asked  # the ones in flight; nothing after the signal
+    assert json.loads((tmp_path / "crawl_state.json").read_text())  # what was written is committed
+
+
 def test_warc_files_rotate(tmp_path):
     with LocalServer(chain_routes(3)) as server:
         result = crawl(quick_config(server.url + "/p0", warc_max_bytes=1), tmp_path)

@@ -656,6 +656,7 @@ class Crawler:
         self.pages_in_flight = 0  # fetches holding a max_pages slot
         self.pages_done = 0  # fetches that ended in a page (200 or 304)
         self.pages_since_checkpoint = 0
+        self.interrupted: BaseException | None = None  # a signal's exception raised inside a worker
         self.page_budget = asyncio.Condition()
         self.warc = RotatingWarcWriter(self.out_dir / WARC_SUBDIR, cfg.warc_max_bytes, cfg.user_agent)
         self.seeds = [u for u in (normalize_url(s) for s in cfg.seed_urls) if u]
@@ -723,7 +724,7 @@ class Crawler:
         return url
 
     def _enqueue(self, url: str, depth: int) -> None:
-        if url in self.seen or url in self.off_domain_urls:
+        if self.interrupted is not None or url in self.seen or url in self.off_domain_urls:
             return
         if not self.scope.allows(url):
             self.off_domain_urls.add(url)
@@ -1142,8 +1143,26 @@ class Crawler:
                 await self._visit(url, depth)
             except Exception as exc:  # one bad page must never end the crawl
                 self._skip(url, f"internal:{type(exc).__name__}")
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                # A signal's exception (Prefect's TerminationSignal for SIGTERM) raised while this
+                # task ran: asyncio would keep it on the task and the other workers would crawl on.
+                # The crawl stops instead, and _run raises it once the queue is let go.
+                self.interrupted = self.interrupted or exc
+                self._let_go_of_queue()
             finally:
                 self.queue.task_done()
+
+    def _let_go_of_queue(self) -> None:
+        while not self.queue.empty():
+            self.queue.get_nowait()
+            self.queue.task_done()
+
+    async def _join_queue(self) -> None:
+        await self.queue.join()
+        if self.interrupted is not None:
+            raise self.interrupted
 
     @contextlib.contextmanager
     def _exclusive(self) -> Any:
@@ -1196,7 +1215,7 @@ class Crawler:
             ) as self.session:
                 workers = [asyncio.create_task(self._worker()) for _ in range(self.cfg.global_concurrency)]
                 try:
-                    await self.queue.join()
+                    await self._join_queue()
                     if self.only is None and self.cfg.incremental:
                         # Pages an earlier crawl stored that no link led to this time are asked for
                         # too: a page taken off the site answers 404, and its text is retired.
@@ -1204,7 +1223,7 @@ class Crawler:
                             url = self._fetchable(recorded)
                             if url not in self.seen:
                                 self._enqueue(url, self.cfg.max_depth)
-                        await self.queue.join()
+                        await self._join_queue()
                 finally:
                     for worker in workers:
                         worker.cancel()
