@@ -20,14 +20,14 @@ class ServiceUnreachable(RuntimeError):
     """A service the settings name does not answer; the message is one sentence."""
 
 
-def host_port(address: str, default_port: int | None = None) -> tuple[str, int] | None:
+def host_port(address: str) -> tuple[str, int] | None:
     """``(host, port)`` of a URL (``http://h:p/...``, ``ray://h:p``) or a ``host:port``; None
     when the address names no network endpoint (``auto``, a file store, a database URI)."""
     if "://" in address:
         parts = urlsplit(address)
         if parts.scheme not in ("http", "https", "ray"):
             return None
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, default_port)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
         return (parts.hostname, port) if parts.hostname and port else None
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
@@ -35,10 +35,10 @@ def host_port(address: str, default_port: int | None = None) -> tuple[str, int] 
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def unreachable(address: str, default_port: int | None = None) -> str | None:
+def unreachable(address: str) -> str | None:
     """Why ``address`` does not take a TCP connection (``connection refused``, ``timed out``,
     ``no such host``), or None when it does or names no network endpoint."""
-    endpoint = host_port(address, default_port)
+    endpoint = host_port(address)
     if endpoint is None:
         return None
     try:

@@ -177,8 +177,7 @@ class MetricsFollower:
     def _server_gone(self) -> bool:
         from crawl2chat.infra.services import unreachable
 
-        uri = self.client.tracking_uri if hasattr(self.client, "tracking_uri") else mlflow.get_tracking_uri()
-        return bool(unreachable(uri))
+        return bool(unreachable(self.client.tracking_uri))
 
     def stop(self, drain_timeout: float = 60.0) -> bool:
         """Stop following after a last read; keep retrying unsent points for up to

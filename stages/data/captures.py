@@ -29,7 +29,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 OLDER_CAPTURE = "dedup:older_capture"
-FILE_STATUS = "_file"  # record_type of an input file's status row (stages.data.pipeline.FILE_STATUS)
 COLUMNS = ["id", "url", "fetched_at"]
 
 
@@ -44,6 +43,8 @@ def capture_order(table: pa.Table) -> pa.Array:
 def read_captures(step_dir: str | Path) -> pa.Table:
     """``id, url, fetched_at, order`` of the page captures an extract step folder holds
     (every record with a URL, kept or dropped; not the files' status rows)."""
+    from crawl2chat.stages.data.pipeline import FILE_STATUS
+
     files = sorted(Path(step_dir).glob("*.parquet"))
     if not files:
         return empty()
