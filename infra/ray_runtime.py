@@ -84,6 +84,18 @@ def _filter_raylet_notices() -> None:
     ray_worker.print_to_stdstream = print_to_stdstream
 
 
+def _no_auto_connect() -> None:
+    """This process connects to Ray through :func:`ensure_ray` only: Ray's own
+    connect-on-first-use is turned off. Without it, a thread still running when
+    Ray shuts down (Ray Data's scheduling thread, as a stopped command exits and
+    Ray's exit hook has run) starts a second local instance on its next call,
+    with a warning on the terminal after the command's last line; with it, that
+    call fails in its thread and the process ends."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
 def ensure_ray(num_cpus: int | None = None) -> dict:
     """Initialise Ray once per process and return a short description of it."""
     if not ray.is_initialized():
@@ -124,6 +136,7 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
             if on_term is not None:
                 signal.signal(signal.SIGTERM, on_term)
         ensure_ray.started_local = not address
+        _no_auto_connect()
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False

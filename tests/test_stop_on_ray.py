@@ -42,3 +42,28 @@ def test_sigterm_to_a_data_build_on_ray_says_so_and_closes_its_runs_killed(tmp_p
     time.sleep(2)
     left = subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert not left, left
+
+
+def test_a_thread_calling_ray_after_it_shut_down_starts_no_second_instance(tmp_path):
+    # As a stopped command exits, Ray's exit hook shuts it down while Ray Data's scheduling
+    # thread may still make one more call: that call fails in its thread; before, Ray
+    # connected on first use and started a second local instance, warning on the terminal.
+    script = (
+        "import threading, ray\n"
+        "from crawl2chat.infra.ray_runtime import ensure_ray\n"
+        "ensure_ray(num_cpus=1)\n"
+        "ray.shutdown()\n"
+        "said = []\n"
+        "def late():\n"
+        "    try:\n"
+        "        ray.put(1)\n"
+        "        said.append('connected')\n"
+        "    except Exception as e:\n"
+        "        said.append(type(e).__name__)\n"
+        "t = threading.Thread(target=late); t.start(); t.join()\n"
+        "print('late call:', said[0], 'initialized:', ray.is_initialized())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "late call: RaySystemError initialized: False" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "SIGTERM handler is not set" not in done.stderr, done.stderr[-2000:]
