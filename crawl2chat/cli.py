@@ -220,7 +220,7 @@ def _guarded(body, cfg=None, meanwhile=()):
     from crawl2chat.stages.data.pipeline import NothingUsableError
     from crawl2chat.stages.data.versions import DamagedDataError
     from crawl2chat.stages.locks import FolderBusy
-    from crawl2chat.infra.services import ServiceUnreachable
+    from crawl2chat.infra.services import ServiceUnreachable, on_lost, service_lost
     from crawl2chat.stages.settings import SettingsError
     from crawl2chat.stages.training.failures import StageFailed
 
@@ -243,12 +243,26 @@ def _guarded(body, cfg=None, meanwhile=()):
     # SIGTERM raises here as in a flow run (Prefect's own handler, once a flow has ended
     # its runs, sends the signal again to the handler it found: this one, not death).
     previous = signal.signal(signal.SIGTERM, stop)
+    said = []
+
+    def last_words(sentence: str) -> None:  # a watched service went away and this thread is held up
+        if cfg is not None:
+            from crawl2chat.infra.tracking import close_own_runs
+
+            close_own_runs()
+        if not said:
+            typer.echo(f"error: {sentence}", err=True)
+
+    on_lost(last_words)
     try:
         with flow_settings():
             return body()
     except (KeyboardInterrupt, TerminationSignal) as e:
         # Stopped on purpose (Ctrl-C, SIGTERM): the MLflow runs are closed KILLED, and the
         # status is the shell's for that signal.
+        if (sentence := service_lost()) is not None:  # a watched service went away: not the user's stop
+            said.append(sentence)
+            _fail(sentence, 1)
         sig = getattr(e, "signal", signal.SIGINT)
         typer.echo(f"stopped ({signal.Signals(sig).name}); rerunning the same command resumes where it stopped",
                    err=True)

@@ -29,7 +29,7 @@ import threading
 import ray
 from ray.data.context import ShuffleStrategy
 
-from crawl2chat.infra.services import ServiceUnreachable, require
+from crawl2chat.infra.services import UNWIND_S, ServiceUnreachable, require, watch
 from crawl2chat.stages.lifetime import hold_lifeline
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,15 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
                 signal.signal(signal.SIGTERM, on_term)
         ensure_ray.started_local = not address
         _no_auto_connect()
+        if address and not address.startswith("ray://"):
+            # A head that dies mid-job: Ray's core waits a minute for it, then ends this
+            # process from C++ with its own message and the runs left open. (A Ray Client
+            # connection, ray://, raises in Python once its own reconnection gives up.)
+            # Said before Ray's own exit, and no sooner than that allows: a head whose GCS
+            # restarts (GCS fault tolerance) within Ray's reconnection timeout is waited for.
+            reconnect_s = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", "60"))
+            watch("Ray cluster", ray.get_runtime_context().gcs_address, "RAY_ADDRESS", shown=address,
+                  active=ray.is_initialized, lost_after_s=max(5.0, reconnect_s - UNWIND_S - 5.0))
         # Progress bars from many concurrent steps drown the per-step lines we print.
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False

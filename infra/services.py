@@ -5,12 +5,18 @@ bounded by a few seconds, and said in one sentence (:class:`ServiceUnreachable`)
 the client libraries would otherwise retry for minutes (MLflow's HTTP retries: ~4
 minutes per call), wait forever (``ray.init`` with nothing listening) or end in a
 traceback of hundreds of lines. Written here because each library checks its own
-service its own way and none bounds the first contact.
+service its own way and none bounds the first contact. A service that goes away
+mid-run is watched the same way (:func:`watch`) where its library would not say so.
 """
 
 from __future__ import annotations
 
+import _thread
+import os
 import socket
+import threading
+import time
+from typing import Callable
 from urllib.parse import urlsplit
 
 CONNECT_TIMEOUT_S = 5.0
@@ -58,3 +64,69 @@ def require(what: str, address: str, setting: str) -> None:
     if why:
         raise ServiceUnreachable(f"The {what} at {address} ({setting}) does not answer: {why}; start it, "
                                  f"or unset {setting} to use the embedded default.")
+
+
+LOST_AFTER_S = 15.0  # a service that refuses connections this long mid-run is taken for gone
+UNWIND_S = 20.0  # then the time the main thread has to end the command in its own words
+
+
+class _Lost:
+    sentence: str | None = None
+    watched: set[str] = set()
+    last_words: list[Callable[[str], None]] = []
+
+
+def service_lost() -> str | None:
+    """The sentence of the service :func:`watch` found gone, or None."""
+    return _Lost.sentence
+
+
+def on_lost(last_words: Callable[[str], None]) -> None:
+    """What the command does with the sentence when its main thread cannot: called from the
+    watch thread just before it ends the process with status 1."""
+    _Lost.last_words.append(last_words)
+
+
+def watch(what: str, address: str, setting: str, shown: str | None = None,
+          active: Callable[[], bool] = lambda: True, lost_after_s: float = LOST_AFTER_S) -> None:
+    """Watch ``address`` from a daemon thread while the command runs: once it has refused
+    connections for ``lost_after_s`` while ``active()``, the main thread is interrupted (as
+    by Ctrl-C) and :func:`service_lost` says why in one sentence, which the command prints
+    with exit status 1, its runs closed as killed. A main thread held inside the library's
+    own wait, where no Python signal handler runs, is given ``UNWIND_S``; then the
+    :func:`on_lost` hooks run and the process ends with status 1.
+
+    For a client library that neither raises nor gives up soon when its service dies
+    mid-run: Ray's core waits a minute for a Ray head that is gone (in a GCS call from
+    Ray Data's scheduling), then ends the process from C++ with its own message, the
+    command's runs left open."""
+    if address in _Lost.watched:
+        return
+    _Lost.watched.add(address)
+
+    def run() -> None:
+        down_since = None
+        while True:
+            if _Lost.sentence is not None:  # another watch thread found its service gone first
+                return
+            why = unreachable(address) if active() else None
+            if why is None:
+                down_since = None
+            elif down_since is None:
+                down_since = time.monotonic()
+            elif time.monotonic() - down_since >= lost_after_s:
+                _Lost.sentence = (f"The {what} at {shown or address} ({setting}) stopped answering mid-run "
+                                  f"({why} for {lost_after_s:g} s); rerunning the same command once it is "
+                                  f"back resumes where it stopped.")
+                _thread.interrupt_main()
+                break
+            time.sleep(1.0)
+        time.sleep(UNWIND_S)  # a command that ended in its own words ends this thread with it
+        for last_words in _Lost.last_words:
+            try:
+                last_words(_Lost.sentence)
+            except Exception:  # noqa: BLE001 - the process ends regardless
+                pass
+        os._exit(1)
+
+    threading.Thread(target=run, name=f"watch {what}", daemon=True).start()

@@ -170,6 +170,19 @@ def close_abandoned_runs() -> list[str]:
     return closed
 
 
+def close_own_runs(status: str = "KILLED") -> None:
+    """End every run this process opened and left RUNNING (from any thread): for a command
+    that must end while its main thread, which would close them, cannot run."""
+    owner = _process_owner()
+    if not owner:
+        return
+    running = mlflow.search_runs(search_all_experiments=True, output_format="list",
+                                 filter_string=f"attributes.status = 'RUNNING' and tags.\"{OWNER_TAG}\" = '{owner}'")
+    client = mlflow.MlflowClient()
+    for run in running:
+        client.set_terminated(run.info.run_id, status)
+
+
 # The pipeline's parent run. Prefect may run a task in another thread, where MLflow's
 # thread-local active run is not visible; a context variable travels with the task.
 parent_run_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("crawl2chat_parent_run", default=None)
