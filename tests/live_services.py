@@ -177,3 +177,48 @@ def kill_pids(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+# A Ray cluster on 127.0.0.1 only. Ray takes a node address of 127.0.0.1 for "this
+# machine" and swaps in the machine's outward address (its GCS, a driver's and a node's
+# connections go there) unless its single-machine mode is on
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), which `ray start` refuses for a worker node.
+RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # the head's and the drivers' environment
+
+
+def ray_start(*args: str, worker_node: bool = False) -> list[str]:
+    """A ``ray start`` command line; a worker node's resolves 127.0.0.1 to itself instead of
+    the machine's outward address (the one address lookup Ray would make), so that it
+    joins a head started with :data:`RAY_LOOPBACK_ENV` over the loopback interface."""
+    if not worker_node:
+        return [str(BIN / "ray"), "start", *args]
+    wrapper = ("import sys, ray._private.services as s; "
+               "s.node_ip_address_from_perspective = lambda *a, **k: '127.0.0.1'; "
+               "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()")
+    return [sys.executable, "-c", wrapper, "start", *args]
+
+
+def outward_sockets(procs: list[subprocess.Popen]) -> list[tuple[str, str, str]]:
+    """Sockets of the processes in these processes' groups bound or connected beyond the
+    loopback interface: (process name, status, address)."""
+    import ipaddress
+
+    import psutil
+
+    def loopback(ip: str) -> bool:
+        addr = ipaddress.ip_address(ip)
+        return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback
+
+    groups = {os.getpgid(p.pid) for p in procs if p.poll() is None}
+    found = []
+    for conn in psutil.net_connections(kind="inet"):
+        try:
+            if not conn.pid or os.getpgid(conn.pid) not in groups:
+                continue
+            name = psutil.Process(conn.pid).name()
+        except (ProcessLookupError, psutil.Error):
+            continue
+        for end in (conn.laddr, conn.raddr):
+            if end and not loopback(end.ip):
+                found.append((name, conn.status, f"{end.ip}:{end.port}"))
+    return found

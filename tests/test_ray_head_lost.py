@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from live_services import BIN, free_port, signal_group
+from live_services import BIN, RAY_LOOPBACK_ENV, free_port, ray_start, signal_group
 from test_data_pipeline import write_warc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -45,11 +45,12 @@ def test_a_ray_head_killed_mid_build_is_said_in_one_sentence(tmp_path):
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
     # Ray's own exit after 40 s without its head instead of 60: the command says it before that.
     env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "40"
+    env.update(RAY_LOOPBACK_ENV)  # the head and the command on 127.0.0.1 only
     port = free_port()
     address = f"127.0.0.1:{port}"
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--port", str(port),
-                             "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "false",
-                             "--disable-usage-stats"], env=env, cwd=tmp_path, stdout=open(tmp_path / "head.log", "w"),
+    head = subprocess.Popen(ray_start("--head", "--block", "--port", str(port), "--node-ip-address", "127.0.0.1",
+                                      "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"),
+                            env=env, cwd=tmp_path, stdout=open(tmp_path / "head.log", "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     proc = None
     try:

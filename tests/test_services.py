@@ -21,7 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from live_services import BIN, free_port, signal_group, wait_http
+from live_services import (BIN, RAY_LOOPBACK_ENV, free_port, outward_sockets, ray_start, signal_group,
+                           wait_http)
 
 def wait_nodes(env: dict, address: str, count: int, timeout: float = 240.0) -> None:
     probe = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
@@ -42,13 +43,15 @@ def services(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "RAY_ADDRESS")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
                PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    node_env = dict(env)  # a worker node's: Ray refuses one in its single-machine mode
+    env.update(RAY_LOOPBACK_ENV)
     (tmp_path / "prefect-home").mkdir()
     mlflow_port, prefect_port, ray_port = free_port(), free_port(), free_port()
     logs = tmp_path / "logs"
     logs.mkdir()
     procs = []
 
-    def start(name, cmd):
+    def start(name, cmd, env=env):
         out = open(logs / f"{name}.log", "w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                       start_new_session=True))
@@ -61,12 +64,14 @@ def services(tmp_path_factory):
     start("prefect", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)])
     # Each Ray node runs in the foreground (--block) in a process group of its own, so the
     # teardown stops exactly this cluster (`ray stop` would also stop the test session's Ray).
-    ray = [str(BIN / "ray"), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-           "--disable-usage-stats"]
-    start("ray-head", ray + ["--head", "--port", str(ray_port), "--include-dashboard", "false"])
-    start("ray-worker", ray + ["--address", f"127.0.0.1:{ray_port}"])
+    # Every node and driver on 127.0.0.1 (live_services.RAY_LOOPBACK_ENV says why).
+    node = ["--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
+    start("ray-head", ray_start(*node, "--head", "--port", str(ray_port), "--include-dashboard", "false"))
+    start("ray-worker", ray_start(*node, "--address", f"127.0.0.1:{ray_port}", worker_node=True), env=node_env)
     try:
         wait_nodes(env, f"127.0.0.1:{ray_port}", 2)
+        ray_nodes = [p for p in procs if "ray" in " ".join(p.args)]
+        assert not outward_sockets(ray_nodes), outward_sockets(ray_nodes)
         wait_http(f"http://127.0.0.1:{mlflow_port}/health")
         wait_http(f"http://127.0.0.1:{prefect_port}/api/health")
         env.update(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{mlflow_port}",
