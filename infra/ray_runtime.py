@@ -29,7 +29,7 @@ import threading
 import ray
 from ray.data.context import ShuffleStrategy
 
-from crawl2chat.infra.services import UNWIND_S, ServiceUnreachable, require, watch
+from crawl2chat.infra.services import UNWIND_S, ServiceUnreachable, host_port, require, watch
 from crawl2chat.stages.lifetime import hold_lifeline
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,26 @@ def _no_auto_connect() -> None:
     auto_init_hook.enable_auto_connect = False
 
 
+def _check_token(address: str) -> None:
+    """Raise :class:`ServiceUnreachable` when a cluster with token authentication refuses
+    this process's token (none set, or another cluster's): one GCS call, under a second.
+    ``ray.init`` retries the refused call for about 45 s, a C++ warning on the terminal
+    each second, then fails with a message that names no token."""
+    if address.startswith("ray://") or host_port(address) is None:
+        return  # a Ray Client connection, or "auto": ray.init finds the cluster and says the rest
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        GcsClient(address=address)
+    except AuthenticationError as e:
+        raise ServiceUnreachable(
+            f"The Ray cluster at {address} (RAY_ADDRESS) refused this command's token: set RAY_AUTH_TOKEN "
+            f"(or RAY_AUTH_TOKEN_PATH) to the cluster's token, as its nodes have it.") from e
+    except Exception:  # noqa: BLE001 - anything else is ray.init's to say
+        pass
+
+
 def ensure_ray(num_cpus: int | None = None) -> dict:
     """Initialise Ray once per process and return a short description of it."""
     if not ray.is_initialized():
@@ -124,6 +144,7 @@ def ensure_ray(num_cpus: int | None = None) -> dict:
             os.environ.setdefault("RAY_enable_pipe_based_agent_to_parent_health_check", "1")
         if address:
             require("Ray cluster", address, "RAY_ADDRESS")
+            _check_token(address)
         # ray.init puts in its own SIGTERM handler (sys.exit): the command's, which closes its
         # runs and says it stopped, is put back.
         on_term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None

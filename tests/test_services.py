@@ -93,6 +93,24 @@ def services(tmp_path_factory):
             current.unlink()
 
 
+def test_a_command_without_the_cluster_token_is_refused_in_one_sentence(services, tmp_path):
+    # ray.init retried the refused call for ~45 s, a C++ warning a second, then named no token.
+    from test_data_pipeline import write_warc
+
+    write_warc(tmp_path / "in" / "a.warc.gz", range(3))
+    no_token = {k: v for k, v in services.items() if k != "RAY_AUTH_TOKEN"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "crawl2chat.cli", "data", "--input", str(tmp_path / "in"),
+                           "--set", "data.engine=ray", "--set", f"home={tmp_path / 'home'}"],
+                          env=no_token, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2, said[-20:]
+    assert said[-1] == (f"error: The Ray cluster at {services['RAY_ADDRESS']} (RAY_ADDRESS) refused this command's "
+                        "token: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, as its nodes "
+                        "have it."), said[-20:]
+    assert time.monotonic() - started < 40 and len(said) < 6, said
+
+
 @pytest.mark.slow
 def test_data_flow_on_real_services(services, shared_data, tmp_path):
     env = services
