@@ -22,6 +22,37 @@ def _check_model(model: str, flag: str = "--model", kind: str = "causal") -> Non
         raise typer.Exit(2)
 
 
+def _check_paths(*flags: tuple[str, Optional[str]]) -> None:
+    """One sentence and status 2 for an input file or folder given and not there."""
+    for flag, path in flags:
+        if path and not Path(path).exists():
+            typer.echo(f"error: {flag}: {path} does not exist", err=True)
+            raise typer.Exit(2)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """One sentence and status 2, before the model loads, for an address the server could
+    not listen on (a port out of range or taken, a host that names no interface here);
+    uvicorn would say it after loading the model, and end with its own shutdown lines."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        typer.echo(f"error: --port takes 0 to 65535, not {port}", err=True)
+        raise typer.Exit(2)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        typer.echo(f"error: --host: {host} names no address here ({e.strerror})", err=True)
+        raise typer.Exit(2)
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            typer.echo(f"error: --host/--port: cannot listen on {host}:{port} ({e.strerror.lower()})", err=True)
+            raise typer.Exit(2)
+
+
 def _check_quantize(quantize: Optional[str]) -> None:
     if quantize not in (None, "none", "int8"):
         typer.echo(f"error: --quantize takes none or int8, not {quantize!r}", err=True)
@@ -55,6 +86,14 @@ def eval_command(
     if split not in ("model", "all"):
         typer.echo(f"error: --split takes model or all, not {split!r}", err=True)
         raise typer.Exit(2)
+    _check_paths(("--data", data), ("--pairs", pairs), ("--prompts", prompts))
+    for flag, value, least in (("--max-tokens", max_tokens, 1), ("--mc-tasks", mc_tasks, 0)):
+        if value < least:
+            typer.echo(f"error: {flag} takes a whole number of at least {least}, not {value}", err=True)
+            raise typer.Exit(2)
+    if out and Path(out).is_dir():
+        typer.echo(f"error: --out: {out} is a folder; --out takes the JSON file to write", err=True)
+        raise typer.Exit(2)
     from crawl2chat.stages.inference.evaluate import main
 
     argv = ["--model", model, "--mc-tasks", str(mc_tasks), "--max-tokens", str(max_tokens),
@@ -81,6 +120,7 @@ def export_command(
     """
     _check_model(model)
     _check_quantize(quantize)
+    _check_paths(("--data", data))
     from crawl2chat.stages.inference.export import REPORT, export_model
     from crawl2chat.stages.locks import FolderBusy
 
@@ -89,6 +129,10 @@ def export_command(
     except FolderBusy as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
+    except (FileExistsError, PermissionError, NotADirectoryError) as e:
+        said = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else f"{e}"
+        typer.echo(f"error: --out: {said}", err=True)
+        raise typer.Exit(2)
     r = report["reload"]
     typer.echo(f"exported to {report['out']}\n  reload: max |logit diff| {r['max_abs_logit_diff']:.2e}, "
                f"stop tokens {r['eos_token_id']}")
@@ -138,6 +182,7 @@ def serve_command(
     """
     _check_model(model)
     _check_quantize(quantize)
+    _check_listen(host, port)
     from crawl2chat.stages.inference.serve import ServerSettings, serve
 
     try:
@@ -173,7 +218,7 @@ def chat_command(
     """
     _check_model(model)
     _check_quantize(quantize)
-    from crawl2chat.stages.inference.generation import Engine, SamplingParams
+    from crawl2chat.stages.inference.generation import Engine, SamplingParams, unicode_problem
 
     engine = Engine(model, quantize=quantize)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -191,6 +236,10 @@ def chat_command(
     capped = f"; replies up to {room} tokens (the model's context is {engine.max_context})" \
         if room < params.max_new_tokens else ""
     typer.echo(f"{model} ({engine.quantize}){capped}; /reset clears the conversation, /exit or Ctrl-D quits.")
+    if callable(getattr(sys.stdin, "reconfigure", None)):
+        # Bytes the terminal's encoding cannot decode come through as lone surrogates (said
+        # below), not as a UnicodeDecodeError that would end the session.
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("you> ")
@@ -203,6 +252,9 @@ def chat_command(
             history = list(start)
             continue
         if not line.strip():
+            continue
+        if problem := unicode_problem(line):  # bytes the terminal's encoding could not decode
+            typer.echo(f"error: the message {problem}; type it again", err=True)
             continue
         history.append({"role": "user", "content": line})
         ids = engine.chat_prompt_ids(history)

@@ -287,3 +287,26 @@ def test_a_rerun_with_the_same_models_reads_the_questions_and_showcase_kept(mode
         assert len(mlflow.search_runs(output_format="list")) == 3
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_eval_command_refuses_bad_input_before_any_work(models, tmp_path):
+    # Each used to end in a traceback (FileNotFoundError, ZeroDivisionError, and IsADirectoryError
+    # only once the whole evaluation had run).
+    import typer
+    from typer.testing import CliRunner
+
+    from crawl2chat.serving_cli import register
+
+    app = typer.Typer()
+    register(app)
+    data = tmp_path / "held.txt"
+    data.write_text("\n".join(models["held_out"]))
+    model = str(models["trained"])
+    for extra, named in ((["--data", str(tmp_path / "nothere")], "--data"),
+                         (["--data", str(data), "--max-tokens", "0", "--mc-tasks", "0"], "--max-tokens"),
+                         (["--data", str(data), "--mc-tasks", "-1"], "--mc-tasks"),
+                         (["--data", str(data), "--out", str(tmp_path)], "--out"),
+                         (["--parent", model, "--prompts", str(tmp_path / "none.jsonl")], "--prompts")):
+        r = CliRunner().invoke(app, ["eval", "--model", model, *extra])
+        assert r.exit_code == 2, (extra, r.output)
+        assert r.output.strip().splitlines()[-1].startswith(f"error: {named}"), (extra, r.output)

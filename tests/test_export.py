@@ -91,3 +91,55 @@ def test_compile_is_kept_only_when_measured_faster(model_dir):
         assert res["kept"] == (res["decode_speedup"] >= 1.1)
     else:
         assert res["kept"] is False
+
+
+def test_export_never_replaces_what_is_not_an_export(model_dir, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from crawl2chat.serving_cli import register
+
+    app = typer.Typer()
+    register(app)
+    # A folder of the user's own files: refused, every file kept (an export used to put itself in its place).
+    mine = tmp_path / "notes"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(mine)])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines()[-1].startswith(f"error: --out: {mine} holds files that are not an earlier export")
+    assert (mine / "notes.txt").read_text() == "mine" and (mine / "sub").is_dir()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "sub"]
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    r = CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(a_file)])
+    assert r.exit_code == 2 and a_file.read_text() == "x", r.output
+    r = CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(tmp_path / "e"),
+                                 "--quantize", "int8", "--data", str(tmp_path / "nothere")])
+    assert r.exit_code == 2 and "--data" in r.output and not (tmp_path / "e").exists(), r.output
+    # An earlier export and an empty folder are replaced.
+    out = tmp_path / "exported"
+    assert CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(out)]).exit_code == 0
+    assert CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(out)]).exit_code == 0
+    (tmp_path / "empty").mkdir()
+    assert CliRunner().invoke(app, ["export", "--model", str(model_dir), "--out", str(tmp_path / "empty")]).exit_code == 0
+
+
+def test_an_export_killed_while_swapping_gets_the_previous_one_back(model_dir, tmp_path):
+    # Killed between moving the previous export aside and putting the new one in place:
+    # the next export used to delete the previous one as a leftover.
+    out = tmp_path / "pub"
+    export_model(model_dir, out)
+    (out / REPORT).write_text(json.dumps({"previous": True}))  # tells the previous export apart
+    out.rename(tmp_path / ".pub.tmp-old-99999")
+    with pytest.raises(ValueError, match="int8"):  # a rerun that fails in its build
+        export_model(model_dir, out, quantize="int4")
+    assert json.loads((out / REPORT).read_text()) == {"previous": True}
+    export_model(model_dir, out)
+    assert "previous" not in json.loads((out / REPORT).read_text())
+    assert not list(tmp_path.glob(".pub.tmp-*"))
+    # Restored first, then replaced: what the rerun checks is an export, not a missing folder.
+    (tmp_path / ".pub.tmp-old-99998").mkdir()
+    (tmp_path / ".pub.tmp-old-99998" / "stray").write_text("x")
+    export_model(model_dir, out)
+    assert not list(tmp_path.glob(".pub.tmp-*")) and (out / "export_report.json").exists()

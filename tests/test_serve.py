@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import threading
 import time
@@ -145,9 +146,16 @@ def test_chat_completions(client):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
+    # A lone surrogate (JSON's \ud800) used to fail in the tokenizer: a 500.
+    ("/generate", {"prompt": "x \ud800"}, "prompt"),
+    ("/generate", {"prompt": "x", "stop": ["\udfff"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages.0.content"),
 ])
 def test_malformed_requests_get_400(client, path, body, param):
-    r = client.post(path, json=body)
+    # JSON with its non-ASCII characters escaped, as most clients send it (a lone surrogate included).
+    r = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
@@ -571,6 +579,47 @@ def test_bad_server_flags_are_refused(model_dir, flag, value, monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         serve_mod.main(["--model", str(model_dir), flag, value])
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_an_address_the_server_cannot_listen_on_is_refused_before_the_model_loads(model_dir, monkeypatch):
+    import socket
+
+    import typer
+    from typer.testing import CliRunner
+
+    import crawl2chat.stages.inference.serve as serve_mod
+    from crawl2chat.serving_cli import register
+
+    monkeypatch.setattr(serve_mod, "Engine", lambda *a, **k: pytest.fail("the model must not load"))
+    app = typer.Typer()
+    register(app)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(app, ["serve", "--model", str(model_dir), "--port", str(port)])
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines()[-1] == \
+        f"error: --host/--port: cannot listen on 127.0.0.1:{port} (address already in use)"
+    for flag, value in (("--port", "70000"), ("--port", "-1"), ("--host", "no-such-host.invalid")):
+        r = CliRunner().invoke(app, ["serve", "--model", str(model_dir), flag, value])
+        assert r.exit_code == 2 and r.output.strip().splitlines()[-1].startswith(f"error: {flag}"), r.output
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"])
+def test_chat_command_says_what_it_cannot_read_and_goes_on(model_dir, encoding):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    # Bytes that are not UTF-8 on the terminal: a traceback before (UnicodeDecodeError, or the
+    # tokenizer's TypeError on the lone surrogates Python makes of them in a C locale).
+    r = subprocess.run([str(Path(sys.executable).parent / "crawl2chat"), "chat", "--model", str(model_dir),
+                        "--temperature", "0", "--max-tokens", "4"], input=b"bad \xff\xfe\nthe king\n/exit\n",
+                       capture_output=True, timeout=300, env={**os.environ, "PYTHONIOENCODING": encoding})
+    out = (r.stdout + r.stderr).decode(errors="replace")
+    assert r.returncode == 0, out[-2000:]
+    assert "the message is not valid Unicode text" in out and out.count("bot> ") == 1, out[-2000:]
 
 
 def test_create_app_refuses_zero_slots(engine):

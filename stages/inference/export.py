@@ -166,7 +166,31 @@ def export_model(model_dir: str | os.PathLike, out_dir: str | os.PathLike, quant
     if not (src / "config.json").exists():
         raise FileNotFoundError(f"{src} is not a model folder (no config.json)")
     with hold_folder(out):  # one export at a time into a folder
+        _restore_swapped_out(out)
+        if problem := _target_problem(src, out):
+            raise FileExistsError(problem)
         return _export(src, out, quantize, data, max_new_tokens, compile_check)
+
+
+def _target_problem(src: Path, out: Path) -> str | None:
+    """Why ``out`` may not be replaced by an export: only a new or empty folder, an earlier
+    export (its report) or the model folder itself (the files are added there) may be."""
+    if not out.exists() or out.resolve() == src.resolve():
+        return None
+    if not out.is_dir():
+        return f"{out} is a file; --out takes a new folder, an empty one or an earlier export"
+    if (out / REPORT).exists() or not any(out.iterdir()):
+        return None
+    return (f"{out} holds files that are not an earlier export (no {REPORT}), which an export would replace; "
+            f"choose a new folder for --out")
+
+
+def _restore_swapped_out(out: Path) -> None:
+    """Put back the previous export a killed export had moved aside to swap its own in
+    (``.NAME.tmp-old-PID``), when nothing took its place."""
+    for old in sorted(out.parent.glob(f".{out.name}.tmp-old-*")):
+        if not out.exists() and (old / REPORT).exists():
+            os.replace(old, out)
 
 
 def _export(src: Path, out: Path, quantize: str | None, data, max_new_tokens: int, compile_check: bool) -> dict:

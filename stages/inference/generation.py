@@ -94,6 +94,16 @@ def stop_token_ids(tokenizer) -> set[int]:
 # ---------------------------------------------------------------- decoding
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized (a lone UTF-16 surrogate, which JSON's ``\\ud800``
+    escapes and undecodable terminal bytes produce), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode text: a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}"
+    return None
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128

@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
-from crawl2chat.stages.inference.generation import SEED_MAX, SEED_MIN, Engine, SamplingParams
+from crawl2chat.stages.inference.generation import SEED_MAX, SEED_MIN, Engine, SamplingParams, unicode_problem
 
 DEFAULT_MAX_TOKENS = 128
 API_KEY_ENV = "CRAWL2CHAT_API_KEY"
@@ -146,6 +146,12 @@ class ServerSettings:
 # ---------------------------------------------------------------- request schemas
 
 
+def _unicode(text: str) -> str:
+    if problem := unicode_problem(text):
+        raise ValueError(problem)
+    return text
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -165,7 +171,7 @@ class _Sampling(BaseModel):
         v = [v] if isinstance(v, str) else v
         if len(v) > 4 or any(not s for s in v):
             raise ValueError("stop takes at most 4 non-empty strings")
-        return v
+        return [_unicode(s) for s in v]
 
 
 class GenerateRequest(_Sampling):
@@ -178,7 +184,7 @@ class GenerateRequest(_Sampling):
     def _non_empty(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("prompt must not be empty")
-        return v
+        return _unicode(v)
 
 
 class TextPart(BaseModel):
@@ -189,6 +195,12 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
     content: Union[str, list[TextPart]]
+
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, v):
+        _unicode(v if isinstance(v, str) else "".join(p.text for p in v))
+        return v
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
