@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -19,6 +20,19 @@ def _check_model(model: str, flag: str = "--model", kind: str = "causal") -> Non
 
     if problem := model_folder_problem(model, kind):
         typer.echo(f"error: {flag}: {problem}", err=True)
+        raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _readable_models():
+    """One sentence and status 2 for a model folder whose files cannot be loaded (a file
+    truncated or missing where no checksum list says so first, a bad serving.json)."""
+    from crawl2chat.stages.inference.generation import ModelUnreadable
+
+    try:
+        yield
+    except ModelUnreadable as e:
+        typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
 
 
@@ -104,7 +118,8 @@ def eval_command(
             argv += [flag, value]
     if chat:
         argv.append("--chat")
-    main(argv)
+    with _readable_models():
+        main(argv)
 
 
 def export_command(
@@ -125,7 +140,8 @@ def export_command(
     from crawl2chat.stages.locks import FolderBusy
 
     try:
-        report = export_model(model, out, quantize=quantize, data=data, compile_check=compile_check)
+        with _readable_models():
+            report = export_model(model, out, quantize=quantize, data=data, compile_check=compile_check)
     except FolderBusy as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1)
@@ -198,7 +214,8 @@ def serve_command(
                + ("; API key required" if settings.api_key else ""))
     if not settings.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo(f"warning: listening on {host} without an API key (--api-key or CRAWL2CHAT_API_KEY)", err=True)
-    serve(model, host=host, port=port, quantize=quantize, settings=settings)
+    with _readable_models():
+        serve(model, host=host, port=port, quantize=quantize, settings=settings)
 
 
 def chat_command(
@@ -220,7 +237,8 @@ def chat_command(
     _check_quantize(quantize)
     from crawl2chat.stages.inference.generation import Engine, SamplingParams, unicode_problem
 
-    engine = Engine(model, quantize=quantize)
+    with _readable_models():
+        engine = Engine(model, quantize=quantize)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             repetition_penalty=repetition_penalty)
     try:

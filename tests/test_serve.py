@@ -20,7 +20,8 @@ import httpx
 import pytest
 import torch
 
-from crawl2chat.stages.inference.generation import Engine, SamplingParams, TextStream, init_model_dir, stream_tokens
+from crawl2chat.stages.inference.generation import (SERVING_FILE, Engine, SamplingParams, TextStream, init_model_dir,
+                                                   stream_tokens)
 from crawl2chat.stages.inference.serve import ServerThread, create_app
 
 
@@ -686,3 +687,34 @@ def test_short_soak(model_dir, tmp_path):
     assert bench.soak_failures(res, max_rss_growth_mib=48) == []
     assert res["health_polls"] >= 10 and res["generations_ok"] > 0
     assert res["hangups"] > 0 and res["status_413"] > 0 and res["status_401"] > 0
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no tokenizer", "bad serving.json"])
+def test_a_damaged_model_folder_without_checksums_is_said_in_one_sentence(model_dir, tmp_path, damage):
+    # Without checksums.json to catch it first, each ended in the library's traceback.
+    import shutil
+
+    import typer
+    from typer.testing import CliRunner
+
+    from crawl2chat.serving_cli import register
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    (folder / "checksums.json").unlink(missing_ok=True)
+    if damage == "truncated weights":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "no tokenizer":
+        (folder / "tokenizer.json").unlink()
+    else:
+        (folder / SERVING_FILE).write_text('{"quantize": "int4"}')
+    app = typer.Typer()
+    register(app)
+    commands = [["chat", "--model", str(folder)], ["serve", "--model", str(folder), "--port", "0"]]
+    if damage != "bad serving.json":  # export writes its own serving.json
+        commands.append(["export", "--model", str(folder), "--out", str(tmp_path / "e")])
+    for argv in commands:
+        r = CliRunner().invoke(app, argv, input="/exit\n")
+        last = r.output.strip().splitlines()[-1]
+        assert r.exit_code == 2 and last.startswith("error: ") and str(folder) in last, (argv, r.output[-1500:])

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from crawl2chat.stages.inference.generation import (SERVING_FILE, SamplingParams, load_model, quantize_int8, stop_token_ids,
-                                          stream_tokens)
+from crawl2chat.stages.inference.generation import (SERVING_FILE, ModelUnreadable, SamplingParams, load_model,
+                                          quantize_int8, stop_token_ids, stream_tokens)
 from crawl2chat.stages.checksums import CHECKSUMS, write_checksums
 from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.locks import hold_folder
@@ -79,7 +79,10 @@ def check_reload(src_dir: Path, out_dir: Path, atol: float = 1e-5) -> dict:
     """Reload ``out_dir`` with ``transformers`` alone and compare it with ``src_dir``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    src = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32).eval()
+    try:
+        src = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32).eval()
+    except Exception as e:  # noqa: BLE001 - a truncated or missing file, in the library's words
+        raise ModelUnreadable.because(src_dir, e) from e
     model = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(out_dir))
     ids = tok(PROBE, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -220,7 +223,10 @@ def _build(src: Path, out: Path, quantize: str | None, data, max_new_tokens: int
            final: Path | None = None) -> dict:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(out))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(out))
+    except Exception as e:  # noqa: BLE001 - a missing or damaged tokenizer file, in the library's words
+        raise ModelUnreadable.because(src, e) from e
     report: dict = {"source": str(src.resolve()), "out": str((final or out).resolve())}
     report["generation_config"] = write_generation_config(out, tok, max_new_tokens)
     ensure_chat_template(out)

@@ -44,9 +44,30 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
+class ModelUnreadable(ValueError):
+    """A model folder whose files cannot be loaded; the message is one sentence naming it."""
+
+    @classmethod
+    def because(cls, model_dir: str | os.PathLike, error: BaseException) -> "ModelUnreadable":
+        said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return cls(f"{model_dir} could not be loaded ({type(error).__name__}: {said}); export or train it again")
+
+
 def serving_defaults(model_dir: str | os.PathLike) -> dict:
+    """The folder's serving settings (``serving.json``, written by export), checked."""
     path = Path(model_dir) / SERVING_FILE
-    return json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelUnreadable(f"{path} is not readable JSON ({e})") from e
+    if not isinstance(found, dict):
+        raise ModelUnreadable(f"{path} holds no settings object")
+    if str(found.get("quantize", "none")).lower() not in QUANTIZE_CHOICES:
+        raise ModelUnreadable(f"{path}: quantize takes one of {', '.join(QUANTIZE_CHOICES)}, "
+                              f"not {found['quantize']!r}")
+    return found
 
 
 # What :func:`load_model` imports for the project's (Llama) models: ~3 s on a small CPU, as
@@ -66,8 +87,11 @@ def load_model(model_dir: str | os.PathLike, quantize: str | None = None, device
         raise ValueError(f"quantize must be one of {QUANTIZE_CHOICES}, got {quantize!r}")
     if quantize == "int8" and device != "cpu":
         raise ValueError("int8 dynamic quantisation runs on the CPU only")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - a truncated or missing file, in whichever library's words
+        raise ModelUnreadable.because(model_dir, e) from e
     model.eval().to(device)
     model.config.use_cache = True
     if quantize == "int8":
