@@ -518,16 +518,25 @@ from crawl2chat.serving_cli import register as _register_serving  # noqa: E402
 _register_serving(app)
 
 
+# What a command stopped by a signal adds to "stopped (SIGTERM)" when a rerun has nothing to resume.
+STOPPED_PLAINLY = {"serve": "", "chat": "", "eval": "", "lineage": "", "serve-flows": "",
+                   "export": "; the previous export, if any, is kept"}
+
+
 def main() -> None:  # pragma: no cover
     """The console script: the command's status, and an exit without the interpreter's
     teardown (:func:`crawl2chat.stages.lifetime.exit_now`)."""
     from crawl2chat.stages.lifetime import exit_now
 
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+
     def stopped_before_work(signum, frame):  # noqa: ARG001 - a signal handler's signature
         # SIGTERM while the command imports and starts up (its own handler, which closes the
         # MLflow runs, is installed once there is work to stop): the same words, nothing to close.
-        print(f"stopped ({signal.Signals(signum).name}); rerunning the same command resumes where it stopped",
-              file=sys.stderr, flush=True)
+        # The commands with nothing to resume (a server that has drained its requests, as
+        # uvicorn sends the signal on once it has, a chat, an evaluation) say only that they stopped.
+        said = STOPPED_PLAINLY.get(command, "; rerunning the same command resumes where it stopped")
+        print(f"stopped ({signal.Signals(signum).name}){said}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped_before_work)

@@ -718,3 +718,28 @@ def test_a_damaged_model_folder_without_checksums_is_said_in_one_sentence(model_
         r = CliRunner().invoke(app, argv, input="/exit\n")
         last = r.output.strip().splitlines()[-1]
         assert r.exit_code == 2 and last.startswith("error: ") and str(folder) in last, (argv, r.output[-1500:])
+
+
+def test_serve_stopped_with_sigterm_says_only_that_it_stopped(model_dir, tmp_path):
+    # It used to end "rerunning the same command resumes where it stopped", words for a pipeline.
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "crawl2chat"), "serve", "--model", str(model_dir),
+                             "--port", "0"], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "Uvicorn running on" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    said = log.read_text().strip().splitlines()
+    assert proc.returncode == 128 + signal.SIGTERM and said[-1] == "stopped (SIGTERM)", said[-5:]
