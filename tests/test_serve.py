@@ -182,6 +182,8 @@ def test_an_unset_max_tokens_fits_what_the_context_leaves(client):
 def test_invalid_json_gets_400(client):
     r = client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
+    err = r.json()["error"]  # the decoder's offset is no field name
+    assert err["param"] is None and err["message"].startswith("the body is not valid JSON: "), err
 
 
 class GatedEngine:

@@ -529,6 +529,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            where = first.get("loc", ("body", "?"))[-1]
+            why = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return JSONResponse(status_code=400, content=_error_body(
+                f"the body is not valid JSON: {why} (at character {where})", "invalid_request_error"))
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs)
         return JSONResponse(status_code=400, content=_error_body(msg or "invalid request", "invalid_request_error", param))
