@@ -143,3 +143,19 @@ def test_an_export_killed_while_swapping_gets_the_previous_one_back(model_dir, t
     (tmp_path / ".pub.tmp-old-99998" / "stray").write_text("x")
     export_model(model_dir, out)
     assert not list(tmp_path.glob(".pub.tmp-*")) and (out / "export_report.json").exists()
+
+
+def test_exported_files_are_readable_as_new_files_are(model_dir, tmp_path):
+    # safetensors writes its file owner-only (0600) whatever the umask; the export kept it so.
+    import os
+    import shutil
+
+    from crawl2chat.stages.file_modes import umask_mode
+
+    src = tmp_path / "src"
+    shutil.copytree(model_dir, src)
+    os.chmod(src / "model.safetensors", 0o600)
+    out = tmp_path / "out"
+    export_model(src, out)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert set(modes.values()) == {umask_mode()}, modes

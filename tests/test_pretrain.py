@@ -99,6 +99,10 @@ def test_reference_run_outputs_hf_model(reference):
     model_dir = reference / "model"
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in model_dir.iterdir()}
+    # Readable as the user's other files are (safetensors alone writes its file owner-only).
+    from crawl2chat.stages.file_modes import umask_mode
+
+    assert (model_dir / "model.safetensors").stat().st_mode & 0o777 == umask_mode()
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     inputs = tok("the king", return_tensors="pt")

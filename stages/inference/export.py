@@ -39,6 +39,7 @@ import torch
 from crawl2chat.stages.inference.generation import (SERVING_FILE, ModelUnreadable, SamplingParams, load_model,
                                           quantize_int8, stop_token_ids, stream_tokens)
 from crawl2chat.stages.checksums import CHECKSUMS, write_checksums
+from crawl2chat.stages.file_modes import publish_modes
 from crawl2chat.stages.fault_points import kill_point
 from crawl2chat.stages.locks import hold_folder
 from crawl2chat.stages.training.tokenizer import CHAT_TEMPLATE
@@ -206,6 +207,7 @@ def _export(src: Path, out: Path, quantize: str | None, data, max_new_tokens: in
         shutil.rmtree(leftover, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(REPORT, SERVING_FILE, CHECKSUMS))
+    publish_modes(tmp)  # a model saved owner-only by safetensors is served by other accounts too
     try:
         report = _build(src, tmp, quantize, data, max_new_tokens, compile_check, final=out)
         kill_point("export:built")

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import yaml
 
 from crawl2chat.stages.checksums import folder_damage, write_checksums
+from crawl2chat.stages.file_modes import publish_modes
 from crawl2chat.stages.lifetime import die_with_parent, exit_now
 from crawl2chat.stages.locks import FolderBusy, acquire
 from crawl2chat.stages.resources import exhaustion
@@ -270,6 +271,7 @@ def save_model(model, state_dict, tok_dir: Path, model_dir: Path, split: dict[st
         write_split(split, tmp)
     elif (tok_dir / SPLIT_FILE).exists():
         shutil.copy2(tok_dir / SPLIT_FILE, tmp / SPLIT_FILE)
+    publish_modes(tmp)  # safetensors writes owner-only files
     write_checksums(tmp)
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp, model_dir)
