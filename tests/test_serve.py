@@ -142,6 +142,8 @@ def test_chat_completions(client):
     ("/generate", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/generate", {"prompt": "x", "max_tokens": 201}, "max_tokens"),  # above the server limit
     ("/generate", {"prompt": "the king " * 60, "max_tokens": 200}, "max_tokens"),  # beyond the context
+    ("/generate", {"prompt": "the king " * 130}, "prompt"),  # the prompt alone fills it: no max_tokens to blame
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the king " * 130}]}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": " "}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),

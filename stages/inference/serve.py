@@ -567,6 +567,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None, *, model_
         if limit is not None and len(prompt_ids) > limit:
             raise APIError(400, f"{field} is {len(prompt_ids)} tokens; this server accepts at most {limit} tokens",
                            field)
+        if fit and len(prompt_ids) >= engine.max_context:  # no max_tokens asked for: the prompt alone fills it
+            raise APIError(400, f"{field} is {len(prompt_ids)} tokens, which leaves no room for a reply in the "
+                           f"model's context of {engine.max_context} tokens", field)
         if fit:  # no max_tokens asked for: the default, or what the context leaves when that is less
             params.max_new_tokens = max(1, min(params.max_new_tokens, engine.max_context - len(prompt_ids)))
         try:
