@@ -357,11 +357,12 @@ class Engine:
 
     def __init__(self, model_dir: str | os.PathLike, quantize: str | None = None, device: str = "cpu"):
         self.model_dir = str(model_dir)
+        defaults = serving_defaults(model_dir)
         if quantize is None:
-            quantize = serving_defaults(model_dir).get("quantize", "none")
+            quantize = defaults.get("quantize", "none")
         self.quantize = quantize
         self.model, self.tokenizer = load_model(model_dir, quantize=quantize, device=device)
-        self.compiled = bool(serving_defaults(model_dir).get("compile", False))
+        self.compiled = bool(defaults.get("compile", False))
         if self.compiled:  # export measured it faster than eager on this kind of machine
             self.model.forward = torch.compile(self.model.forward, dynamic=True)
         self.stop_ids = stop_token_ids(self.tokenizer)

@@ -199,11 +199,16 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _valid_text(cls, v):
-        _unicode(v if isinstance(v, str) else "".join(p.text for p in v))
+        _unicode(_joined(v))
         return v
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _joined(self.content)
+
+
+def _joined(content: Union[str, list[TextPart]]) -> str:
+    """A message's text: its string, or its text parts one after another."""
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 class StreamOptions(BaseModel):
